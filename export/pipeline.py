@@ -1,0 +1,63 @@
+"""`specrt export`: load the models, trace each to ONNX, save the tokenizer, write the manifest."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from specrt.errors import InputError, ManifestError
+from specrt.export.onnx_export import StagingDir, export_graph, model_entry
+from specrt.export.model import from_hf
+from specrt.export.sources import load_source
+from specrt.manifest import FORMAT_VERSION, file_entry, write_manifest
+
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def _max_len(model, requested: int) -> int:
+    window = getattr(model.config, "sliding_window", None)
+    if window and window < requested:  # the graph attends to the whole prefix
+        return int(window)
+    return requested
+
+
+def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
+                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print) -> Path:
+    out = Path(out)
+    if max_seq_len < 2:
+        raise InputError(f"--max-seq-len {max_seq_len}: must be at least 2")
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists; pass --force to replace it (it is replaced only once the new "
+                         "export is complete)")
+    import torch
+    import onnx
+    import transformers
+    started = time.time()
+    models = {}
+    with StagingDir(out, force) as tmp:
+        tokenizer = None
+        for role, source in (("target", target), ("draft", draft)):
+            if source is None:
+                continue
+            log(f"loading {role} {source}")
+            src = load_source(source)
+            if role == "draft" and models["target"]["vocab_size"] != src.model.config.vocab_size:
+                raise ManifestError(f"draft {source!r} has vocab size {src.model.config.vocab_size}, target "
+                                    f"{target!r} has {models['target']['vocab_size']}: a draft must share the "
+                                    "target's vocabulary")
+            tokenizer = tokenizer or src.tokenizer
+            model = from_hf(src.model, _max_len(src.model, max_seq_len))
+            log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}, "
+                f"max_seq_len {model.args.max_seq_len})")
+            export_graph(model, tmp / f"{role}.onnx")
+            models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids)
+        manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
+                    "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
+                                      "transformers": transformers.__version__}}
+        if tokenizer is not None:
+            saved = tokenizer.save_pretrained(tmp / "tokenizer")
+            manifest["tokenizer"] = [file_entry(tmp, str(Path(p).relative_to(tmp))) for p in saved
+                                     if Path(p).is_file()]
+        write_manifest(tmp, manifest)
+    log(f"exported {out} in {time.time() - started:.0f}s")
+    return out

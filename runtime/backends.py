@@ -1,0 +1,122 @@
+"""Engine backends. Every buffer is a torch tensor on the engine's device, bound to the session by pointer."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.errors import BackendError
+from specrt.kv_cache import KVCache
+
+
+NUMPY_TYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor   # (B, num_logits, V)
+    hidden: torch.Tensor   # (B, S, d)
+    new_kv: torch.Tensor   # (2L, B, Hkv, S, D)
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class OrtEngine:
+    """One ONNX Runtime session over a graph of the engine contract, with IOBinding to preallocated buffers."""
+
+    name = "onnxruntime"
+
+    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError as e:
+            raise BackendError("onnxruntime is not installed: pip install 'specrt[cpu]' "
+                               "(or 'specrt[gpu]' on an NVIDIA machine)") from e
+        self.ort, self.spec, self.device = ort, spec, torch.device(device)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or default_threads()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # built ahead of time
+        providers = ["CUDAExecutionProvider"] if self.device.type == "cuda" else ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.binding = self.session.io_binding()
+        self.layers = spec["layers"]
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._cache: KVCache | None = None
+
+    def new_cache(self, batch: int) -> KVCache:
+        s = self.spec
+        cache = KVCache(s["layers"], batch, s["kv_heads"], s["max_seq_len"], s["head_dim"], self.device)
+        for i, buf in enumerate(cache.layer_buffers()):
+            self._bind("input", f"{'kv'[i % 2]}_cache_{i // 2}", buf)
+        self._cache = cache
+        return cache
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A flat output buffer that only grows (no allocation in steady state)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(numel, device=self.device)
+        return buf
+
+    def _bind(self, kind: str, name: str, t: torch.Tensor) -> None:
+        elem = NUMPY_TYPES[t.dtype]
+        bind = self.binding.bind_input if kind == "input" else self.binding.bind_output
+        bind(name, self.device.type, self.device.index or 0, elem, list(t.shape), t.data_ptr())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
+                tree_mask: torch.Tensor, num_logits: int) -> StepOutput:
+        """Run one pass over S new tokens per row. The cache is read, not written: see KVCache.write."""
+        assert self._cache is not None, "call new_cache() first"
+        s = self.spec
+        B, S = input_ids.shape
+        num = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
+                 "tree_mask": tree_mask, "num_logits": num}
+        for name, t in feeds.items():
+            self._bind("input", name, t)
+        logits = self._buffer("logits", B * num_logits * s["vocab_size"]).narrow(0, 0, B * num_logits * s["vocab_size"])
+        logits = logits.view(B, num_logits, s["vocab_size"])
+        hidden = self._buffer("hidden", B * S * s["hidden_size"]).narrow(0, 0, B * S * s["hidden_size"]).view(B, S, -1)
+        per_layer = B * s["kv_heads"] * S * s["head_dim"]
+        new_kv = self._buffer("new_kv", 2 * self.layers * per_layer).narrow(0, 0, 2 * self.layers * per_layer)
+        new_kv = new_kv.view(2 * self.layers, B, s["kv_heads"], S, s["head_dim"])
+        self._bind("output", "logits", logits)
+        self._bind("output", "hidden", hidden)
+        for i in range(2 * self.layers):
+            self._bind("output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i])
+        self.session.run_with_iobinding(self.binding)
+        return StepOutput(logits, hidden, new_kv)
+
+
+class TensorRTEngine:
+    """TensorRT engines built from the same ONNX graphs, with the TreeAttention plugin. Not installable on the
+    machines this project is tested on; kept thin and behind the OrtEngine interface."""
+
+    name = "tensorrt"
+
+    def __init__(self, path: Path, spec: dict, device: str = "cuda", threads: int | None = None):
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError as e:
+            raise BackendError("the engine set was built for TensorRT but tensorrt is not installed: "
+                               "pip install 'specrt[gpu]' on an NVIDIA machine, or rebuild with "
+                               "`specrt build DIR --backend onnxruntime`") from e
+        raise BackendError("TensorRT execution is not implemented in this version; rebuild with "
+                           "`specrt build DIR --backend onnxruntime`")
+
+
+def pick_device(requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import onnxruntime as ort
+        if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
+            return "cuda"
+    except ImportError:
+        pass
+    return "cpu"

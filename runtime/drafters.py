@@ -1,0 +1,109 @@
+"""Drafters propose tokens for the target to verify. A chain is a tree with one child per node.
+
+propose(run, gamma) -> Proposal: tokens (B, γ), draft probabilities Q (B, γ, V) or None when the proposal is
+deterministic (greedy drafting, n-gram lookup), and `valid` (B, γ) for rows that propose fewer than γ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specrt.sampling import probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor          # (B, γ) int64
+    q: torch.Tensor | None        # (B, γ, V) or None (deterministic)
+    valid: torch.Tensor           # (B, γ) bool, a prefix of each row
+
+    @classmethod
+    def empty(cls, batch: int, device="cpu") -> "Proposal":
+        return cls(torch.zeros(batch, 0, dtype=torch.int64, device=device), None,
+                   torch.zeros(batch, 0, dtype=torch.bool, device=device))
+
+
+def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril().expand(batch, size, size).contiguous()
+
+
+class DraftModelDrafter:
+    """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
+    least the first n−2 tokens of a row of length n, so each round feeds the last two tokens, then γ−1 more."""
+
+    name = "draft"
+
+    def __init__(self, engine, timer):
+        self.engine, self.timer = engine, timer
+
+    def start(self, run) -> None:
+        self.cache = self.engine.new_cache(run.batch)
+        m = int(run.lengths[0]) - 1          # the prompt minus its last token (called after the first token)
+        if m > 1:
+            ids = run.tokens[:, :m - 1]
+            pos = torch.arange(m - 1).expand(run.batch, -1).contiguous()
+            out = self.timer(self.engine, ids, pos, self.cache.past_len, chain_mask(run.batch, m - 1), 1)
+            self.cache.write(out.new_kv)
+
+    def propose(self, run, gamma: int) -> Proposal:
+        B, smax = run.batch, self.cache.max_seq_len
+        start = (run.lengths - 2).clamp(min=0)
+        self.cache.truncate(start)
+        ids = run.tokens.gather(1, start[:, None] + torch.arange(2))                    # (B, 2)
+        pos = (start[:, None] + torch.arange(2)).clamp(max=smax - 1)
+        mask = chain_mask(B, 2)
+        tokens, qs = [], []
+        for i in range(gamma):
+            out = self.timer(self.engine, ids, pos, self.cache.past_len, mask, 1)
+            self.cache.write(out.new_kv)
+            self.cache.past_len += ids.shape[1]
+            logits = out.logits[:, -1]                                                  # (B, V)
+            if run.params.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = probs(logits, run.params)
+                tok = sample(q, run.generator)
+                qs.append(q)
+            tokens.append(tok)
+            ids, pos = tok[:, None], (pos[:, -1:] + 1).clamp(max=smax - 1)
+            mask = chain_mask(B, 1)
+        toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64)
+        q = torch.stack(qs, 1) if qs else None
+        return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool))
+
+
+class NgramDrafter:
+    """Prompt lookup: the continuation that followed the most recent earlier occurrence of the last n tokens
+    (n from `max_n` down to `min_n`). No model; the proposal is deterministic."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def start(self, run) -> None:
+        pass
+
+    def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)        # (len-n, n)
+            hits = np.flatnonzero((windows == context[-n:]).all(1))
+            if len(hits):
+                begin = hits[-1] + n
+                return context[begin:begin + gamma]
+        return context[:0]
+
+    def propose(self, run, gamma: int) -> Proposal:
+        B = run.batch
+        tokens = torch.zeros(B, gamma, dtype=torch.int64)
+        valid = torch.zeros(B, gamma, dtype=torch.bool)
+        rows = run.tokens.numpy()
+        for b in range(B):
+            if run.active[b]:
+                found = self.lookup(rows[b, :int(run.lengths[b])], gamma)
+                tokens[b, :len(found)] = torch.from_numpy(found.copy())
+                valid[b, :len(found)] = True
+        width = int(valid.sum(1).max()) if B else 0
+        return Proposal(tokens[:, :width], None, valid[:, :width])

@@ -1,0 +1,21 @@
+"""Specific exception types; each message names the bad value and the fix."""
+
+
+class SpecrtError(Exception):
+    """Base class of every error specrt raises on purpose."""
+
+
+class UnknownSourceError(SpecrtError):
+    pass
+
+
+class ManifestError(SpecrtError):
+    """The engine directory does not match its manifest (missing file, wrong hash, bad pair)."""
+
+
+class InputError(SpecrtError):
+    """A request that cannot be served as asked (prompt too long, bad sampling parameter...)."""
+
+
+class BackendError(SpecrtError):
+    pass

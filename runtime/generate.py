@@ -1,0 +1,278 @@
+"""The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specrt import verification
+from specrt.adaptive import Costs, GammaPolicy, measure
+from specrt.backends import OrtEngine, TensorRTEngine, pick_device
+from specrt.drafters import DraftModelDrafter, NgramDrafter, Proposal, chain_mask
+from specrt.errors import InputError, ManifestError
+from specrt.manifest import check_file, read_manifest
+from specrt.sampling import SamplingParams, probs, sample
+
+METHODS = ("autoregressive", "draft", "ngram")
+MAX_GAMMA = 8
+
+
+@dataclass
+class Generation:
+    token_ids: list[list[int]]      # new tokens, one list per returned sequence
+    text: list[str] | None          # decoded, when the engine set has a tokenizer
+    stats: dict
+
+
+@dataclass
+class _Run:
+    """The state of one generate call: B rows sharing a prompt, each with its own length."""
+    tokens: torch.Tensor            # (B, Smax) int64
+    lengths: torch.Tensor           # (B,) tokens held, prompt included
+    prompt_len: int
+    max_new: int
+    stop_ids: set[int]
+    params: SamplingParams
+    generator: torch.Generator
+    max_len: int
+    active: list[bool] = field(default_factory=list)
+    stop_reason: list[str | None] = field(default_factory=list)
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_position: list[list[int]] = field(default_factory=list)  # [accepted, proposed] per draft position
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Generator:
+    """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
+
+    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer):
+        self.directory, self.manifest = directory, manifest
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.engine_time = 0.0
+        self._costs: Costs | None = None
+
+    @classmethod
+    def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
+        directory = Path(path)
+        manifest = read_manifest(directory)
+        models = manifest["models"]
+        if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"]:
+            raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
+                                f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
+        device = pick_device(device)
+        engines = {}
+        for role, spec in models.items():
+            if role not in ("target", "draft"):
+                continue
+            if "engine" not in spec:
+                raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
+            path = check_file(directory, spec["engine"], f"{role} engine")
+            backend = TensorRTEngine if spec["engine"]["backend"] == "tensorrt" else OrtEngine
+            engines[role] = backend(path, spec, device=device, threads=threads)
+        tokenizer = None
+        if manifest.get("tokenizer"):
+            for entry in manifest["tokenizer"]:
+                check_file(directory, entry, "tokenizer")
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
+        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer)
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError(f"{self.directory} has no tokenizer: pass token ids (--prompt-ids 1,2,3)")
+        if chat and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+            return list(ids)
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _timed(self, engine, ids, pos, past_len, mask, num_logits):
+        t = time.perf_counter()
+        out = engine.forward(ids, pos, past_len, mask, num_logits)
+        self.engine_time += time.perf_counter() - t
+        return out
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, num_return_sequences: int = 1, method: str = "autoregressive",
+                 gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True) -> Generation:
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        if method not in METHODS:
+            raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
+        if method == "draft" and self.draft is None:
+            raise InputError(f"--method draft: {self.directory} has no draft model; export with --draft SOURCE")
+        if gamma is not None and not 1 <= gamma <= 64:
+            raise InputError(f"gamma {gamma}: must be between 1 and 64")
+        if max_new_tokens < 1 or num_return_sequences < 1:
+            raise InputError(f"max_new_tokens {max_new_tokens} and num_return_sequences {num_return_sequences} "
+                             "must be at least 1")
+        if (prompt is None) == (prompt_ids is None):
+            raise InputError("give exactly one of prompt (text) and prompt_ids (token ids)")
+        ids = self.encode(prompt, chat) if prompt is not None else list(prompt_ids)
+        spec = self.target.spec
+        bad = [i for i in ids if not 0 <= i < spec["vocab_size"]]
+        if not ids or bad:
+            raise InputError(f"prompt ids {bad[:5] or ids}: need at least one id, each in [0, {spec['vocab_size']})")
+        max_len = min(s.spec["max_seq_len"] for s in (self.target, self.draft) if s is not None)
+        if len(ids) >= max_len:
+            raise InputError(f"prompt of {len(ids)} tokens does not fit the engine's maximum sequence length "
+                             f"{max_len} (it needs room for one new token): shorten the prompt or re-export "
+                             "with a larger --max-seq-len")
+        B = num_return_sequences
+        tokens = torch.zeros(B, max_len, dtype=torch.int64)
+        tokens[:, :len(ids)] = torch.tensor(ids)
+        run = _Run(tokens, torch.full((B,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
+                   set(spec.get("eos_token_ids", [])), params, params.generator(), max_len,
+                   active=[True] * B, stop_reason=[None] * B)
+        drafter = {"draft": lambda: DraftModelDrafter(self.draft, self._timed),
+                   "ngram": lambda: NgramDrafter(ngram_max, ngram_min)}.get(method, lambda: None)()
+        policy = None
+        if drafter is not None and gamma is None:
+            policy = GammaPolicy(self.costs(), MAX_GAMMA)
+
+        self.engine_time = 0.0
+        started = time.perf_counter()
+        self._prefill(run)
+        prefill_time = time.perf_counter() - started
+        if drafter is not None:
+            drafter.start(run)
+        while any(run.active):
+            g = (policy.choose() if policy else gamma) if drafter else 0
+            g = self._fit_gamma(run, g)
+            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(B)
+            n, nxt = self._verify(run, proposal)
+            accepted, proposed = self._commit(run, proposal, n, nxt)
+            if policy:
+                policy.update(accepted, proposed)
+        wall = time.perf_counter() - started
+        return self._result(run, method, wall, prefill_time, policy, gamma)
+
+    def _prefill(self, run: _Run) -> None:
+        B, m = run.batch, run.prompt_len
+        cache = self.target.new_cache(B)
+        pos = torch.arange(m).expand(B, m).contiguous()
+        out = self._timed(self.target, run.tokens[:, :m].contiguous(), pos, cache.past_len, chain_mask(B, m), 1)
+        cache.write(out.new_kv)
+        logits = out.logits[:, -1]                                                      # (B, V)
+        first = logits.argmax(-1) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        self._commit(run, Proposal.empty(B), torch.zeros(B, dtype=torch.int64), first)
+
+    def _fit_gamma(self, run: _Run, gamma: int) -> int:
+        """No more drafts than the cache has room for, or than the longest-remaining row can still emit."""
+        live = [b for b in range(run.batch) if run.active[b]]
+        room = min(run.max_len - int(run.lengths[b]) for b in live)
+        left = max(run.max_new - (int(run.lengths[b]) - run.prompt_len) for b in live)
+        return max(0, min(gamma, room, left - 1))
+
+    def _verify(self, run: _Run, proposal: Proposal):
+        """One target pass over [last token, drafts] per row; the new KV goes in at past_len = length − 1."""
+        B, g = proposal.tokens.shape
+        cache = self.target._cache
+        cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
+        last = run.tokens.gather(1, (run.lengths - 1)[:, None])                         # (B, 1)
+        ids = torch.cat([last, proposal.tokens], 1)                                     # (B, γ+1)
+        pos = (cache.past_len[:, None] + torch.arange(g + 1)).contiguous()
+        out = self._timed(self.target, ids, pos, cache.past_len, chain_mask(B, g + 1), g + 1)
+        cache.write(out.new_kv)
+        if run.params.greedy:
+            return verification.greedy(out.logits, proposal.tokens, proposal.valid)
+        P = probs(out.logits, run.params)                                               # (B, γ+1, V)
+        return verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
+
+    def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor) -> tuple[int, int]:
+        """Append accepted drafts and the next token to each live row; the one host read of the round."""
+        n_host, nxt_host = n.tolist(), nxt.tolist()
+        drafts = proposal.tokens.tolist()
+        widths = proposal.valid.sum(1).tolist()
+        accepted = proposed = 0
+        for b in range(run.batch):
+            if not run.active[b]:
+                continue
+            k, width = n_host[b], widths[b]
+            accepted, proposed = accepted + k, proposed + width
+            for i in range(width):
+                while len(run.per_position) <= i:
+                    run.per_position.append([0, 0])
+                run.per_position[i][0] += int(i < k)
+                run.per_position[i][1] += 1
+            self._append(run, b, drafts[b][:k] + [nxt_host[b]])
+        run.rounds += 1
+        run.accepted += accepted
+        run.proposed += proposed
+        return accepted, proposed
+
+    def _append(self, run: _Run, b: int, new: list[int]) -> None:
+        length = int(run.lengths[b])
+        for tok in new:
+            run.tokens[b, length] = tok
+            length += 1
+            reason = ("eos" if tok in run.stop_ids else
+                      "max_new_tokens" if length - run.prompt_len >= run.max_new else
+                      "max_seq_len" if length >= run.max_len else None)
+            if reason:
+                run.active[b], run.stop_reason[b] = False, reason
+                break
+        run.lengths[b] = length
+
+    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma) -> Generation:
+        new = [run.tokens[b, run.prompt_len:int(run.lengths[b])].tolist() for b in range(run.batch)]
+        total = sum(map(len, new))
+        rounds = run.rounds - 1  # the prefill emits the first token, it is not a speculation round
+        stats = {
+            "method": method,
+            "tokens": total,
+            "rounds": rounds,
+            "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
+            "mean_tokens_per_round": (total - run.batch) / (rounds * run.batch) if rounds else None,
+            "acceptance_per_position": [a / p for a, p in run.per_position],
+            "tokens_per_s": total / wall if wall > 0 else None,
+            "engine_time_s": self.engine_time,
+            "loop_time_s": wall - self.engine_time,
+            "prefill_time_s": prefill,
+            "stop_reason": run.stop_reason[0] if run.batch == 1 else None,
+            "stop_reasons": run.stop_reason,
+            "gamma": gamma if gamma is not None else (policy.chosen[-1] if policy and policy.chosen else None),
+        }
+        if policy is not None:
+            stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
+        if method == "draft" or policy is not None:
+            costs = self.costs()
+            alpha = stats["acceptance_rate"]
+            g = stats["gamma"] or 1
+            stats["cost_ratio_c"] = costs.c if method == "draft" else 0.0
+            stats["predicted_speedup"] = costs.predicted_speedup(alpha, g) if alpha is not None else None
+        text = None
+        if self.tokenizer is not None:
+            text = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new]
+        return Generation(new, text, stats)
+
+    # ---- costs --------------------------------------------------------------------------------------------
+    def costs(self) -> Costs:
+        """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens on this machine (once, ~1 s)."""
+        if self._costs is None:
+            saved = self.engine_time
+            context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
+            verify = {k: self._time_pass(self.target, context, k) for k in range(1, MAX_GAMMA + 2)}
+            draft = self._time_pass(self.draft, context, 1) if self.draft is not None else 0.0
+            self._costs = Costs(draft, verify)
+            self.engine_time = saved
+        return self._costs
+
+    def _time_pass(self, engine, context: int, k: int) -> float:
+        cache = engine.new_cache(1)
+        cache.truncate(max(context, 0))
+        ids = torch.zeros(1, k, dtype=torch.int64)
+        pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()
+        mask = chain_mask(1, k)
+        return measure(lambda: engine.forward(ids, pos, cache.past_len, mask, k))

@@ -1,0 +1,58 @@
+"""Sampling parameters and the one transform applied to target (P) and draft (Q) logits alike."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specrt.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0: greedy
+    top_k: int = 0             # 0: off
+    top_p: float = 1.0         # 1: off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise InputError(f"temperature {self.temperature}: must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p {self.top_p}: must be in (0, 1] (1 turns it off)")
+        if self.top_k < 0:
+            raise InputError(f"top_k {self.top_k}: must be >= 0 (0 turns it off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device="cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, over the last axis; returns normalised probabilities (float32)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(p, dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p          # mass strictly above each token
+        drop = before >= params.top_p                    # keep the smallest prefix reaching top_p (top-1 always)
+        p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of p (..., V) -> (...)."""
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
