@@ -1,0 +1,303 @@
+"""`specrt bench`: every method of specrt beside transformers' own decoding, on one prompt set, in one run.
+
+Runs are interleaved prompt by prompt (specrt methods and peers back to back on the same prompt) so that a
+shared, noisy machine slows all of them alike: absolute times are indications, ratios are measured side by side.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+from specrt.errors import InputError, SpecrtError
+
+PEER_LOOKUP_TOKENS = 8   # transformers' prompt_lookup_num_tokens, the same cap as specrt's adaptive γ
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+@dataclass
+class BenchConfig:
+    engines: Path
+    prompts: Path | None = None          # None: the packaged MT-Bench set
+    methods: tuple[str, ...] = ("autoregressive", "draft", "ngram")
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    max_new_tokens: int = 128
+    num_prompts: int = 8
+    gamma_sweep: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    sweep_prompts: int = 2
+    peers: bool = True
+    out: Path = Path("bench-out")
+    seed: int = 0
+    threads: int | None = None
+
+
+@dataclass
+class Bench:
+    """What one bench run measured; `results()` is results.json."""
+    config: BenchConfig
+    runs: list[dict] = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------
+def load_prompts(path: Path | None, limit: int) -> list[Prompt]:
+    """Rows with `prompt_ids` (list of ints), `prompt` (text) or `turns` (the first turn is the prompt)."""
+    if path is None:
+        text, name = resources.files("specrt").joinpath("data/mt_bench.jsonl").read_text(), "mt_bench.jsonl"
+    else:
+        text, name = Path(path).read_text(), str(path)
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{name} line {n}: not valid JSON ({e.msg})") from None
+        pid = str(row.get("id", n)) if isinstance(row, dict) else str(n)
+        if isinstance(row, dict) and isinstance(row.get("prompt_ids"), list) and row["prompt_ids"] \
+                and all(isinstance(i, int) for i in row["prompt_ids"]):
+            prompts.append(Prompt(pid, ids=row["prompt_ids"]))
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(Prompt(pid, text=row["prompt"]))
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
+                and isinstance(row["turns"][0], str):
+            prompts.append(Prompt(pid, text=row["turns"][0]))
+        else:
+            raise InputError(f"{name} line {n}: expected an object with 'turns' (list of strings, the first is "
+                             "the prompt), 'prompt' (string) or 'prompt_ids' (list of token ids)")
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise InputError(f"{name}: no prompts")
+    return prompts
+
+
+# ---- the machine --------------------------------------------------------------------------------------------
+def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
+    """Bytes per second of a large float32 array reduction (max: SIMD, memory-bound), best of `reps`."""
+    a = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    a.max()
+    best = min(_timed(a.max) for _ in range(reps))
+    return a.nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def machine_info(threads: int) -> dict:
+    import onnxruntime
+    import transformers
+    import specrt
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "cores": cores, "threads": threads,
+            "versions": {"specrt": specrt.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "onnxruntime": onnxruntime.__version__,
+                         "numpy": np.__version__}}
+
+
+# ---- one run of each system ---------------------------------------------------------------------------------
+def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: int, seed: int,
+               gamma: int | None = None) -> dict:
+    t = time.perf_counter()
+    out = gen.generate(prompt_ids=ids, max_new_tokens=max_new, temperature=temperature, seed=seed,
+                       method=method, gamma=gamma)
+    wall = time.perf_counter() - t
+    s = out.stats
+    return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
+            "time_s": wall, "tokens_per_s": s["tokens"] / wall, "decode_time_s": wall - s["prefill_time_s"],
+            "rounds": s["rounds"], "alpha": s["acceptance_rate"],
+            "mean_tokens_per_round": s["mean_tokens_per_round"],
+            "acceptance_per_position": s["acceptance_per_position"], "gamma": s["gamma"],
+            "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"]}
+
+
+PEERS = {  # name -> extra generate() keyword arguments (assistant filled in at run time)
+    "hf-generate": {},
+    "hf-assisted": {"assistant_model": None},
+    "hf-prompt-lookup": {"prompt_lookup_num_tokens": PEER_LOOKUP_TOKENS},
+}
+
+
+def run_peer(model, ids: list[int], name: str, temperature: float, max_new: int, seed: int,
+             eos: list[int], assistant=None) -> dict:
+    extra = dict(PEERS[name])
+    if "assistant_model" in extra:
+        extra["assistant_model"] = assistant
+    sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
+                else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
+    x = torch.tensor([ids])
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=eos or None,
+                           pad_token_id=(eos or [0])[0], **sampling, **extra)
+    wall = time.perf_counter() - t
+    tokens = y.shape[1] - x.shape[1]
+    return {"system": "transformers", "method": name, "temperature": temperature, "tokens": tokens,
+            "time_s": wall, "tokens_per_s": tokens / wall}
+
+
+# ---- the bench ----------------------------------------------------------------------------------------------
+def run_bench(cfg: BenchConfig, progress=None) -> Bench:
+    from specrt.backends import default_threads
+    from specrt.export.sources import load_source
+    from specrt.generate import Generator
+
+    threads = cfg.threads or default_threads()
+    torch.set_num_threads(threads)
+    gen = Generator.from_engines(cfg.engines, threads=threads)
+    bench = Bench(cfg, info=machine_info(threads))
+    methods = [m for m in cfg.methods if _runnable(gen, m, bench.notes)]
+    if "autoregressive" not in methods:
+        methods.insert(0, "autoregressive")
+        bench.notes.append("autoregressive added: it is the baseline of every speedup")
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
+
+    models = gen.manifest["models"]
+    target = load_source(models["target"]["source"])
+    eos = models["target"].get("eos_token_ids", [])
+    peers = _peers(cfg, models, bench.notes)
+    assistant = load_source(models["draft"]["source"]).model if "hf-assisted" in peers else None
+    costs = gen.costs()
+    bench.info.update(_floor(target.model), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
+                      target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
+                      costs={"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c})
+
+    # warm-up: first calls pay for allocation and graph set-up
+    for m in methods:
+        run_specrt(gen, ids[0], m, 0.0, 4, cfg.seed)
+    for p in peers:
+        run_peer(target.model, ids[0], p, 0.0, 4, cfg.seed, eos, assistant)
+
+    sweep_methods = [m for m in methods if m != "autoregressive"]
+    sweep_n = min(cfg.sweep_prompts, len(ids)) if cfg.gamma_sweep and sweep_methods else 0
+    total = len(ids) * len(cfg.temperatures) * (len(methods) + len(peers)) \
+        + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep))
+    task = progress.add_task("bench", total=total) if progress else None
+
+    def step(row, **tags):
+        row.update(tags)
+        if progress:
+            progress.update(task, advance=1, description=f"{row['system']} {row['method']} t={row['temperature']}")
+        return row
+
+    for i, p in enumerate(ids):
+        seed = cfg.seed + i
+        for temp in cfg.temperatures:
+            for m in methods:
+                bench.runs.append(step(run_specrt(gen, p, m, temp, cfg.max_new_tokens, seed), prompt=prompts[i].id))
+            for name in peers:
+                row = run_peer(target.model, p, name, temp, cfg.max_new_tokens, seed, eos, assistant)
+                bench.runs.append(step(row, prompt=prompts[i].id))
+
+    temp = cfg.temperatures[0]
+    for i, p in enumerate(ids[:sweep_n]):
+        seed = cfg.seed + i
+        bench.sweep.append(step(run_specrt(gen, p, "autoregressive", temp, cfg.max_new_tokens, seed),
+                                prompt=prompts[i].id))
+        for m in sweep_methods:
+            for g in cfg.gamma_sweep:
+                row = run_specrt(gen, p, m, temp, cfg.max_new_tokens, seed, gamma=g)
+                bench.sweep.append(step(row, prompt=prompts[i].id))
+    return bench
+
+
+def _runnable(gen, method: str, notes: list[str]) -> bool:
+    from specrt.generate import METHODS
+    if method not in METHODS:
+        raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS)}")
+    if method == "draft" and gen.draft is None:
+        notes.append(f"draft skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
+        return False
+    return True
+
+
+def _peers(cfg: BenchConfig, models: dict, notes: list[str]) -> list[str]:
+    if not cfg.peers:
+        return []
+    names = ["hf-generate", "hf-assisted", "hf-prompt-lookup"]
+    if "draft" not in models:
+        names.remove("hf-assisted")
+        notes.append("hf-assisted skipped: the engine set has no draft model")
+    return names
+
+
+def _floor(model) -> dict:
+    """Batch-1 decode reads every weight once per step: weight bytes / read bandwidth is a floor on step time."""
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())   # fp32; tied weights counted once
+    bandwidth = read_bandwidth()
+    return {"bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "floor_step_s": weight_bytes / bandwidth}
+
+
+# ---- the command --------------------------------------------------------------------------------------------
+def _csv(kind):
+    def parse(ctx, param, value):
+        try:
+            return tuple(kind(v) for v in value.replace(" ", "").split(",") if v)
+        except ValueError:
+            raise click.BadParameter(f"{value!r}: expected comma-separated {kind.__name__} values") from None
+    return parse
+
+
+@click.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="JSONL with 'turns', 'prompt' or 'prompt_ids' per row (default: the packaged MT-Bench set).")
+@click.option("--methods", default="autoregressive,draft,ngram", show_default=True, callback=_csv(str))
+@click.option("--temperatures", default="0,0.7", show_default=True, callback=_csv(float))
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--num-prompts", default=8, show_default=True)
+@click.option("--gamma-sweep", default="1,2,3,4,6,8", show_default=True, callback=_csv(int),
+              help="Fixed γ values for the speedup-vs-γ plot (empty to skip).")
+@click.option("--sweep-prompts", default=2, show_default=True, help="Prompts used by the γ sweep.")
+@click.option("--peers/--no-peers", default=True, show_default=True,
+              help="Also run transformers generate, assisted generation and prompt lookup.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
+@click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep, sweep_prompts,
+          peers, seed, threads, out):
+    """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specrt.report import terminal_table, write_outputs
+    cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
+                      sweep_prompts, peers, out, seed, threads)
+    console = Console(stderr=True)
+    try:
+        if max_new_tokens < 1 or num_prompts < 1:
+            raise InputError(f"--max-new-tokens {max_new_tokens} and --num-prompts {num_prompts} must be >= 1")
+        with Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:
+            result = run_bench(cfg, progress)
+    except SpecrtError as e:
+        raise click.ClickException(str(e)) from e
+    for note in result.notes:
+        console.print(f"note: {note}")
+    files = write_outputs(result)
+    stdout = Console()
+    (stdout if stdout.is_terminal else Console(width=132)).print(terminal_table(files["summary"]))
+    console.print(f"wrote {', '.join(str(p) for p in files['paths'])}")

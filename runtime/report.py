@@ -1,0 +1,243 @@
+"""Turn a bench run into results.json, report.md and PNG plots (matplotlib, Agg backend)."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from specrt.adaptive import Costs, expected_tokens
+
+COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round"]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _mean_positions(lists):
+    width = max((len(l) for l in lists), default=0)
+    return [_mean([l[i] for l in lists if len(l) > i]) for i in range(width)]
+
+
+def _costs(info: dict) -> Costs:
+    return Costs(info["costs"]["draft_step_s"], info["costs"]["verify_s"])
+
+
+def summarize(runs: list[dict], costs: Costs) -> list[dict]:
+    """One row per (system, method, temperature): totals over prompts, speedup against specrt autoregressive
+    at the same temperature (tokens/s over tokens/s, both measured in this run)."""
+    groups = defaultdict(list)
+    for r in runs:
+        groups[(r["system"], r["method"], r["temperature"])].append(r)
+    rows = []
+    for (system, method, temp), rs in groups.items():
+        tokens, time_s = sum(r["tokens"] for r in rs), sum(r["time_s"] for r in rs)
+        alpha = _mean([r.get("alpha") for r in rs])
+        gamma = _mean([r.get("gamma_mean") or r.get("gamma") for r in rs])
+        speculative = system == "specrt" and method != "autoregressive"
+        rows.append({
+            "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
+            "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
+            "c": (costs.c if method == "draft" else 0.0) if speculative else None,
+            "gamma_mean": gamma,
+            "predicted_speedup": costs.predicted_speedup(alpha, max(1, round(gamma)))
+            if speculative and alpha is not None and gamma else None,
+            "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
+            "acceptance_per_position": _mean_positions([r.get("acceptance_per_position") or [] for r in rs]),
+        })
+    base = {r["temperature"]: r["tokens_per_s"] for r in rows
+            if r["system"] == "specrt" and r["method"] == "autoregressive"}
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base[r["temperature"]] if r["temperature"] in base else None
+    return rows
+
+
+def summarize_sweep(sweep: list[dict], costs: Costs) -> list[dict]:
+    """Measured speedup per (method, γ) against autoregressive on the same prompts, with the predictions of
+    E[N]/(1+γc) and of the measured costs E[N]·t(1)/(γ·t_draft + t(γ+1)), from the method's pooled α."""
+    if not sweep:
+        return []
+    base = [r for r in sweep if r["method"] == "autoregressive"]
+    base_tps = sum(r["tokens"] for r in base) / sum(r["time_s"] for r in base)
+    groups = defaultdict(list)
+    for r in sweep:
+        if r["method"] != "autoregressive":
+            groups[(r["method"], r["gamma"])].append(r)
+    pooled = {m: _mean([r["alpha"] for (mm, _), rs in groups.items() if mm == m for r in rs])
+              for m, _ in groups}
+    rows = []
+    for (method, g), rs in sorted(groups.items()):
+        tps = sum(r["tokens"] for r in rs) / sum(r["time_s"] for r in rs)
+        alpha, c = pooled[method], costs.c if method == "draft" else 0.0
+        rows.append({"method": method, "gamma": g, "temperature": rs[0]["temperature"], "tokens_per_s": tps,
+                     "speedup": tps / base_tps, "alpha": _mean([r["alpha"] for r in rs]), "pooled_alpha": alpha,
+                     "c": c, "predicted_simple": expected_tokens(alpha, g) / (1 + g * c) if alpha is not None else None,
+                     "predicted_costs": costs.predicted_speedup(alpha, g) if alpha is not None else None})
+    return rows
+
+
+def floor_line(info: dict, runs: list[dict]) -> dict:
+    ar = [r for r in runs if r["system"] == "specrt" and r["method"] == "autoregressive" and r["rounds"]]
+    step = sum(r["decode_time_s"] for r in ar) / sum(r["rounds"] for r in ar) if ar else None
+    return {"weight_bytes": info["weight_bytes"], "bandwidth_bytes_per_s": info["bandwidth_bytes_per_s"],
+            "floor_step_s": info["floor_step_s"], "autoregressive_step_s": step,
+            "ratio": step / info["floor_step_s"] if step else None}
+
+
+# ---- formatting ---------------------------------------------------------------------------------------------
+def _f(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+def table_rows(summary: list[dict]) -> list[list[str]]:
+    order = {"specrt": 0, "transformers": 1}
+    rows = sorted(summary, key=lambda r: (r["temperature"], order[r["system"]], r["system"] == "specrt"
+                                          and r["method"] != "autoregressive", r["method"]))
+    return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
+             _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
+             _f(r["mean_tokens_per_round"])] for r in rows]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def terminal_table(summary: list[dict]):
+    from rich.table import Table
+    table = Table(title="specrt bench (speedup: against specrt autoregressive at the same temperature)")
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c in ("system", "method") else "right")
+    for row in table_rows(summary):
+        table.add_row(*row)
+    return table
+
+
+def report_markdown(results: dict) -> str:
+    info, cfg, fl = results["info"], results["config"], results["floor"]
+    ms = lambda s: _f(s * 1e3 if s is not None else None, ".1f")  # noqa: E731
+    out = [
+        "# specrt bench", "",
+        f"Engines `{info['engines']}` (target `{info['target']}`, draft `{info['draft'] or 'none'}`); "
+        f"{cfg['num_prompts_run']} prompts from `{info['prompts']}` × {cfg['max_new_tokens']} new tokens, "
+        f"temperatures {', '.join(_f(t, 'g') for t in cfg['temperatures'])}, seed {cfg['seed']}; "
+        f"{info['threads']} threads on {info['cores']} cores ({info['processor']}, {info['platform']}).", "",
+        markdown_table(COLUMNS, table_rows(results["summary"])), "",
+        "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
+        "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
+        "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times. Tokens/round counts "
+        "the target's own token. transformers rows: `generate` (greedy or sampling, top-k/top-p off), assisted "
+        f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
+        "## Memory-bandwidth floor", "",
+        f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
+        f"{fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (numpy reduction, best of 5) = floor "
+        f"**{ms(fl['floor_step_s'])} ms** per decode step "
+        f"({_f(1 / fl['floor_step_s'], '.1f')} tokens/s). specrt autoregressive: {ms(fl['autoregressive_step_s'])} "
+        f"ms per step, **{_f(fl['ratio'])}×** the floor.", "",
+        f"Target pass times (ms) over k tokens: "
+        + ", ".join(f"k={k}: {ms(t)}" for k, t in info["costs"]["verify_s"].items())
+        + f"; draft step {ms(info['costs']['draft_step_s'])} ms.", "",
+    ]
+    if results["sweep"]:
+        out += ["## Speedup against γ", "",
+                f"Fixed γ, {cfg['sweep_prompts_run']} prompts, temperature "
+                f"{_f(results['sweep'][0]['temperature'], 'g')}; speedup against autoregressive on the same prompts "
+                "in the same run. Predicted from the method's α pooled over the sweep: E[N]/(1+γc), and with the "
+                "measured verify cost.", "",
+                markdown_table(["method", "γ", "tokens/s", "speedup", "α", "E[N]/(1+γc)", "with verify cost"],
+                               [[r["method"], str(r["gamma"]), _f(r["tokens_per_s"], ".1f"), _f(r["speedup"]),
+                                 _f(r["alpha"]), _f(r["predicted_simple"]), _f(r["predicted_costs"])]
+                                for r in results["sweep"]]), "",
+                "![speedup vs gamma](speedup_vs_gamma.png)", ""]
+    out += ["![tokens per second](tokens_per_s.png)", "", "![acceptance per position](acceptance_per_position.png)",
+            "", "## Notes", "",
+            "- The machine may be shared: absolute times are indications. Ratios are measured side by side: each "
+            "prompt runs every method and peer back to back, so a slow spell slows them alike.",
+            "- Timings include prefill; every system sees the same token ids and max_new_tokens and stops at EOS.",
+            "- At temperature > 0 the systems draw different random streams: same distribution, different samples, "
+            "hence different lengths and acceptance."]
+    out += [f"- {n}" for n in results["notes"]]
+    return "\n".join(out) + "\n"
+
+
+
+# ---- plots --------------------------------------------------------------------------------------------------
+def plot_all(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    rows = sorted(results["summary"], key=lambda r: (r["temperature"], r["system"], r["method"]))
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    labels = [f"{r['system']} {r['method']} T={r['temperature']:g}" for r in rows]
+    colors = ["tab:blue" if r["system"] == "specrt" else "tab:gray" for r in rows]
+    ax.barh(labels, [r["tokens_per_s"] for r in rows], color=colors)
+    ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--", label="bandwidth floor (1 token/step)")
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s")
+    ax.legend(loc="lower right")
+    paths.append(_save(fig, out / "tokens_per_s.png"))
+
+    if results["sweep"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, method in enumerate(sorted({r["method"] for r in results["sweep"]})):
+            rs = [r for r in results["sweep"] if r["method"] == method]
+            g = [r["gamma"] for r in rs]
+            color = f"C{i}"
+            ax.plot(g, [r["speedup"] for r in rs], "o-", color=color, label=f"{method} measured")
+            if rs[0]["pooled_alpha"] is not None:   # None: nothing was proposed
+                ax.plot(g, [r["predicted_simple"] for r in rs], "--", color=color,
+                        label=f"{method} E[N]/(1+γc), α={rs[0]['pooled_alpha']:.2f}")
+                ax.plot(g, [r["predicted_costs"] for r in rs], ":", color=color, label=f"{method} with verify cost")
+        ax.axhline(1, color="black", lw=0.5)
+        ax.set_xlabel("γ (drafted tokens per round)")
+        ax.set_ylabel("speedup vs autoregressive")
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, out / "speedup_vs_gamma.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["system"] == "specrt" and r["acceptance_per_position"]:
+            pos = range(1, len(r["acceptance_per_position"]) + 1)
+            ax.plot(pos, r["acceptance_per_position"], "o-", label=f"{r['method']} T={r['temperature']:g}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    if ax.lines:
+        ax.legend()
+    paths.append(_save(fig, out / "acceptance_per_position.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+# ---- all outputs --------------------------------------------------------------------------------------------
+def write_outputs(bench) -> dict:
+    from specrt.bench import PEER_LOOKUP_TOKENS
+    cfg, info = bench.config, bench.info
+    costs = _costs(info)
+    summary = summarize(bench.runs, costs)
+    results = {
+        "config": {"methods": list(cfg.methods), "temperatures": list(cfg.temperatures),
+                   "max_new_tokens": cfg.max_new_tokens, "num_prompts_run": len({r["prompt"] for r in bench.runs}),
+                   "gamma_sweep": list(cfg.gamma_sweep), "sweep_prompts_run": len({r["prompt"] for r in bench.sweep}),
+                   "peers": cfg.peers, "peer_lookup_tokens": PEER_LOOKUP_TOKENS, "seed": cfg.seed},
+        "info": info, "floor": floor_line(info, bench.runs), "summary": summary,
+        "sweep": summarize_sweep(bench.sweep, costs), "runs": bench.runs, "sweep_runs": bench.sweep,
+        "notes": bench.notes,
+    }
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(report_markdown(results))
+    paths += plot_all(results, out)
+    return {"summary": summary, "paths": paths, "results": results}

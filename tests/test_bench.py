@@ -1,0 +1,102 @@
+"""`specrt bench` end to end on tiny random Llama engines: files written, numbers consistent with each other."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import export_tiny, tiny_model
+from specrt.bench import bench, load_prompts
+from specrt.errors import InputError
+
+VOCAB, NEW = 256, 8
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    draft = tiny_model("llama", seed=1, vocab=VOCAB, layers=1)
+    directory, _ = export_tiny(tmp, "llama", draft=draft, vocab=VOCAB, name="bench")
+    return directory
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_results_are_consistent(engines, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [5, 6, 7, 8, 5, 6]},
+                                                   {"prompt_ids": [9, 10, 11, 9, 10, 11, 9]}])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(engines), "--prompts", str(prompts), "--temperatures", "0,0.7",
+                                        "--max-new-tokens", str(NEW), "--num-prompts", "2", "--gamma-sweep", "1,2",
+                                        "--sweep-prompts", "1", "--peers", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    for name in ("results.json", "report.md", "tokens_per_s.png", "speedup_vs_gamma.png",
+                 "acceptance_per_position.png"):
+        assert (out / name).stat().st_size > 0, name
+    r = json.loads((out / "results.json").read_text())
+
+    systems = {(s["system"], s["method"], s["temperature"]) for s in r["summary"]}
+    for t in (0.0, 0.7):
+        for m in ("autoregressive", "draft", "ngram"):
+            assert ("specrt", m, t) in systems
+        for m in ("hf-generate", "hf-assisted", "hf-prompt-lookup"):
+            assert ("transformers", m, t) in systems
+    assert len(r["runs"]) == 2 * 2 * 6   # prompts x temperatures x (3 methods + 3 peers)
+    for run in r["runs"]:
+        assert run["tokens"] == NEW      # the tiny models have no EOS
+        assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["time_s"])
+
+    base = {s["temperature"]: s for s in r["summary"] if s["system"] == "specrt" and s["method"] == "autoregressive"}
+    for s in r["summary"]:
+        runs = [x for x in r["runs"] if (x["system"], x["method"], x["temperature"]) ==
+                (s["system"], s["method"], s["temperature"])]
+        assert s["tokens"] == sum(x["tokens"] for x in runs)
+        assert s["time_s"] == pytest.approx(sum(x["time_s"] for x in runs))
+        assert s["speedup"] == pytest.approx(s["tokens_per_s"] / base[s["temperature"]]["tokens_per_s"])
+        if s["system"] == "specrt" and s["method"] == "draft":   # n-gram may find nothing to propose
+            assert 0 <= s["alpha"] <= 1 and s["predicted_speedup"] > 0 and s["c"] > 0
+            assert 1 <= s["mean_tokens_per_round"] <= 9
+            assert s["acceptance_per_position"] and all(0 <= a <= 1 for a in s["acceptance_per_position"])
+    assert {(s["method"], s["gamma"]) for s in r["sweep"]} == {(m, g) for m in ("draft", "ngram") for g in (1, 2)}
+    assert all(s["speedup"] > 0 and s["predicted_costs"] > 0 for s in r["sweep"])
+
+    floor = r["floor"]
+    assert floor["weight_bytes"] > 0 and floor["bandwidth_bytes_per_s"] > 1e8
+    assert floor["floor_step_s"] == pytest.approx(floor["weight_bytes"] / floor["bandwidth_bytes_per_s"])
+    assert floor["ratio"] == pytest.approx(floor["autoregressive_step_s"] / floor["floor_step_s"])
+    assert r["info"]["threads"] >= 1 and r["info"]["versions"]["onnxruntime"]
+    report = (out / "report.md").read_text()
+    assert "| specrt | ngram | 0 |" in report and "Memory-bandwidth floor" in report
+    assert "hf-prompt-lookup" in result.output   # the table printed at the end
+
+
+def test_bench_skips_draft_without_draft_model(tmp_path):
+    directory, _ = export_tiny(tmp_path, "llama", vocab=VOCAB, name="nodraft")
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [3, 4, 5]}])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(directory), "--prompts", str(prompts), "--methods", "draft,ngram",
+                                        "--temperatures", "0", "--max-new-tokens", "4", "--gamma-sweep", "",
+                                        "--no-peers", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    assert {s["method"] for s in r["summary"]} == {"autoregressive", "ngram"}
+    assert any("draft skipped" in n for n in r["notes"]) and "draft skipped" in result.output
+    assert not r["sweep"] and not (out / "speedup_vs_gamma.png").exists()
+
+
+def test_prompt_files(tmp_path):
+    good = write_prompts(tmp_path / "good.jsonl", [{"turns": ["first", "second"]}, {"prompt": "p"},
+                                                   {"prompt_ids": [1, 2]}])
+    prompts = load_prompts(good, 10)
+    assert [(p.text, p.ids) for p in prompts] == [("first", None), ("p", None), (None, [1, 2])]
+    assert len(load_prompts(None, 3)) == 3   # the packaged MT-Bench set
+    bad = write_prompts(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"question": "no"}])
+    with pytest.raises(InputError, match=r"bad.jsonl line 2: expected .*'turns'"):
+        load_prompts(bad, 10)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(InputError, match="broken.jsonl line 2: not valid JSON"):
+        load_prompts(tmp_path / "broken.jsonl", 10)
