@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models of every registered architecture, exported and built for real."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+from specrt.export.architectures import REGISTRY  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ENGINES = REPO / "engines" / "default"
+
+
+def tiny_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+                init: float = 0.02):
+    import transformers
+    cls = getattr(transformers, REGISTRY[arch].hf_class.replace("ForCausalLM", "Config"))
+    return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+               initializer_range=init, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+               pad_token_id=None)
+
+
+def tiny_model(arch: str, seed: int = 0, **kw):
+    import transformers
+    torch.manual_seed(seed)
+    cls = getattr(transformers, REGISTRY[arch].hf_class)
+    model = cls(tiny_config(arch, **kw)).eval()
+    if arch == "qwen2":  # give the q/k/v biases values, so that they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def export_tiny(tmp: Path, arch: str, seed: int = 0, draft=None, max_seq_len: int = 64, name="engines", **kw):
+    """Save a tiny checkpoint (and optional draft checkpoint), export and build it; return (dir, hf_model)."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    model = tiny_model(arch, seed, **kw)
+    src = tmp / f"{name}-{arch}-{seed}-src"
+    model.save_pretrained(src)
+    draft_src = None
+    if draft is not None:
+        draft_src = tmp / f"{name}-{arch}-{seed}-draft"
+        draft.save_pretrained(draft_src)
+    out = tmp / f"{name}-{arch}-{seed}"
+    export_engines(str(src), out, draft=str(draft_src) if draft_src else None, max_seq_len=max_seq_len,
+                   log=lambda *_: None)
+    build(out, "onnxruntime", log=lambda *_: None)
+    return out, model
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory):
+    """One exported + built engine set per registered architecture (session-wide)."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    return {arch: export_tiny(tmp, arch) for arch in sorted(REGISTRY)}
+
+
+@pytest.fixture(scope="session")
+def default_engines():
+    if not (DEFAULT_ENGINES / "manifest.json").is_file():
+        pytest.fail(f"{DEFAULT_ENGINES} is missing: run `make engines` (make test does it)")
+    return DEFAULT_ENGINES
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from specrt.export.sources import load_source
+    return load_source("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def default_generator(default_engines):
+    from specrt import Generator
+    return Generator.from_engines(default_engines)
+
+
+def load_prompts(n: int) -> list[str]:
+    import json
+    rows = (REPO / "runtime" / "data" / "mt_bench.jsonl").read_text().splitlines()
+    return [json.loads(r)["turns"][0] for r in rows[:n]]
