@@ -51,10 +51,14 @@ class OrtEngine:
     def new_cache(self, batch: int) -> KVCache:
         s = self.spec
         cache = KVCache(s["layers"], batch, s["kv_heads"], s["max_seq_len"], s["head_dim"], self.device)
+        self.use_cache(cache)
+        return cache
+
+    def use_cache(self, cache: KVCache) -> None:
+        """Bind a cache's buffers as the graph's cache inputs (once; they stay bound until another is used)."""
         for i, buf in enumerate(cache.layer_buffers()):
             self._bind("input", f"{'kv'[i % 2]}_cache_{i // 2}", buf)
         self._cache = cache
-        return cache
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         """A flat output buffer that only grows (no allocation in steady state)."""
@@ -69,8 +73,11 @@ class OrtEngine:
         bind(name, self.device.type, self.device.index or 0, elem, list(t.shape), t.data_ptr())
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
-                tree_mask: torch.Tensor, num_logits: int) -> StepOutput:
-        """Run one pass over S new tokens per row. The cache is read, not written: see KVCache.write."""
+                tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None) -> StepOutput:
+        """Run one pass over S new tokens per row against `cache` (default: the last one created or used).
+        The cache is read, not written: see KVCache.write."""
+        if cache is not None and cache is not self._cache:
+            self.use_cache(cache)
         assert self._cache is not None, "call new_cache() first"
         s = self.spec
         B, S = input_ids.shape

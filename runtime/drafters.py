@@ -44,7 +44,7 @@ class DraftModelDrafter:
         if m > 1:
             ids = run.tokens[:, :m - 1]
             pos = torch.arange(m - 1).expand(run.batch, -1).contiguous()
-            out = self.timer(self.engine, ids, pos, self.cache.past_len, chain_mask(run.batch, m - 1), 1)
+            out = self.timer(self.engine, self.cache, ids, pos, chain_mask(run.batch, m - 1), 1)
             self.cache.write(out.new_kv)
 
     def propose(self, run, gamma: int) -> Proposal:
@@ -56,7 +56,7 @@ class DraftModelDrafter:
         mask = chain_mask(B, 2)
         tokens, qs = [], []
         for i in range(gamma):
-            out = self.timer(self.engine, ids, pos, self.cache.past_len, mask, 1)
+            out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
             self.cache.write(out.new_kv)
             self.cache.past_len += ids.shape[1]
             logits = out.logits[:, -1]                                                  # (B, V)

@@ -38,6 +38,7 @@ class _Run:
     params: SamplingParams
     generator: torch.Generator
     max_len: int
+    cache: object = None            # the target's KVCache
     active: list[bool] = field(default_factory=list)
     stop_reason: list[str | None] = field(default_factory=list)
     rounds: int = 0
@@ -96,9 +97,9 @@ class Generator:
             return list(ids)
         return self.tokenizer(prompt)["input_ids"]
 
-    def _timed(self, engine, ids, pos, past_len, mask, num_logits):
+    def _timed(self, engine, cache, ids, pos, mask, num_logits):
         t = time.perf_counter()
-        out = engine.forward(ids, pos, past_len, mask, num_logits)
+        out = engine.forward(ids, pos, cache.past_len, mask, num_logits, cache)
         self.engine_time += time.perf_counter() - t
         return out
 
@@ -160,9 +161,9 @@ class Generator:
 
     def _prefill(self, run: _Run) -> None:
         B, m = run.batch, run.prompt_len
-        cache = self.target.new_cache(B)
+        cache = run.cache = self.target.new_cache(B)
         pos = torch.arange(m).expand(B, m).contiguous()
-        out = self._timed(self.target, run.tokens[:, :m].contiguous(), pos, cache.past_len, chain_mask(B, m), 1)
+        out = self._timed(self.target, cache, run.tokens[:, :m].contiguous(), pos, chain_mask(B, m), 1)
         cache.write(out.new_kv)
         logits = out.logits[:, -1]                                                      # (B, V)
         first = logits.argmax(-1) if run.params.greedy else sample(probs(logits, run.params), run.generator)
@@ -178,12 +179,12 @@ class Generator:
     def _verify(self, run: _Run, proposal: Proposal):
         """One target pass over [last token, drafts] per row; the new KV goes in at past_len = length − 1."""
         B, g = proposal.tokens.shape
-        cache = self.target._cache
+        cache = run.cache
         cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
         last = run.tokens.gather(1, (run.lengths - 1)[:, None])                         # (B, 1)
         ids = torch.cat([last, proposal.tokens], 1)                                     # (B, γ+1)
         pos = (cache.past_len[:, None] + torch.arange(g + 1)).contiguous()
-        out = self._timed(self.target, ids, pos, cache.past_len, chain_mask(B, g + 1), g + 1)
+        out = self._timed(self.target, cache, ids, pos, chain_mask(B, g + 1), g + 1)
         cache.write(out.new_kv)
         if run.params.greedy:
             return verification.greedy(out.logits, proposal.tokens, proposal.valid)
@@ -275,4 +276,4 @@ class Generator:
         ids = torch.zeros(1, k, dtype=torch.int64)
         pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()
         mask = chain_mask(1, k)
-        return measure(lambda: engine.forward(ids, pos, cache.past_len, mask, k))
+        return measure(lambda: engine.forward(ids, pos, cache.past_len, mask, k, cache))

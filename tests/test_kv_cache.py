@@ -1,0 +1,77 @@
+"""Static KV cache: write, compact a tree path, truncate, continue — logits as a fresh run's."""
+from __future__ import annotations
+
+import torch
+
+from specrt.generate import Generator
+from test_graph_parity import PARENTS, path, tree_mask
+
+TOL = 1e-5
+
+
+def fresh_last_logits(engine, ids):
+    cache = engine.new_cache(1)
+    S = len(ids)
+    out = engine.forward(torch.tensor([ids]), torch.arange(S)[None], cache.past_len,
+                         torch.ones(S, S, dtype=torch.bool).tril()[None], 1)
+    return out.logits[0, -1].clone()
+
+
+def step(engine, cache, tok):
+    out = engine.forward(torch.tensor([[tok]]), cache.past_len[:, None].clone(), cache.past_len,
+                         torch.ones(1, 1, 1, dtype=torch.bool), 1, cache)
+    cache.write(out.new_kv)
+    cache.past_len += 1
+    return out.logits[0, -1].clone()
+
+
+def test_write_compact_truncate_continue(tiny_engines):
+    directory, model = tiny_engines["llama"]
+    engine = Generator.from_engines(directory).target
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 64, (8,), generator=g).tolist()
+    cache = engine.new_cache(1)
+    data_ptr = cache.data.data_ptr()
+    S = len(prompt)
+    out = engine.forward(torch.tensor([prompt]), torch.arange(S)[None], cache.past_len,
+                         torch.ones(S, S, dtype=torch.bool).tril()[None], 1)
+    cache.write(out.new_kv)
+    cache.past_len += S
+    # verify a tree, accept the path to node 6 (0 -> 1 -> 4 -> 6), compact its entries, continue decoding
+    mask, depth = tree_mask(PARENTS)
+    nodes = torch.randint(0, 64, (len(PARENTS),), generator=g)
+    out = engine.forward(nodes[None], cache.past_len[:, None] + depth[None], cache.past_len, mask[None], 7, cache)
+    cache.write(out.new_kv)
+    accepted = path(PARENTS, 6)
+    cache.compact(0, torch.tensor(accepted))
+    cache.past_len += len(accepted)
+    seq = prompt + nodes[accepted].tolist()
+    x = 11
+    got = step(engine, cache, x)
+    assert (got - fresh_last_logits(engine, seq + [x])).abs().max() < TOL
+    # roll back to the prompt in O(1) and take another branch
+    cache.truncate(len(prompt))
+    y = 5
+    got = step(engine, cache, y)
+    assert (got - fresh_last_logits(engine, prompt + [y])).abs().max() < TOL
+    ptr = cache.data.data_ptr()
+    for tok in (1, 2, 3):
+        step(engine, cache, tok)
+    assert cache.data.data_ptr() == ptr and int(cache.past_len[0]) == len(prompt) + 4
+
+
+def test_batched_rows_write_at_their_own_past_len(tiny_engines):
+    directory, _ = tiny_engines["qwen2"]
+    engine = Generator.from_engines(directory).target
+    a, b = [1, 2, 3, 4, 5], [9, 8, 7]
+    cache = engine.new_cache(2)
+    ids = torch.tensor([a, b + [0, 0]])
+    out = engine.forward(ids, torch.arange(5).expand(2, 5).contiguous(), cache.past_len,
+                         torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5).contiguous(), 1)
+    cache.write(out.new_kv)
+    cache.past_len[:] = torch.tensor([5, 3])  # row 1's two pad entries are scratch
+    out = engine.forward(torch.tensor([[6], [6]]), cache.past_len[:, None].clone(), cache.past_len,
+                         torch.ones(2, 1, 1, dtype=torch.bool), 1)
+    row0, row1 = out.logits[0, -1].clone(), out.logits[1, -1].clone()
+    assert (row0 - fresh_last_logits(engine, a + [6])).abs().max() < TOL
+    assert (row1 - fresh_last_logits(engine, b + [6])).abs().max() < TOL

@@ -1,0 +1,71 @@
+"""The TreeAttention op's ONNX function (as ONNX Runtime runs it) against the float64 reference,
+over random shapes, grouped-query layouts, trees and per-row past_len."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
+
+
+def op_model(scale: float) -> bytes:
+    f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+    types = [f, f, f, f, f, i64, b]
+    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
+    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
+    graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return attach_function(model).SerializeToString()
+
+
+def random_tree(rng, S):
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, S)]
+    mask = np.zeros((S, S), bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_op_matches_float64_reference(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 4))
+    Hkv = int(rng.choice([1, 2, 3]))
+    H = Hkv * int(rng.choice([1, 2, 4]))
+    D = int(rng.choice([4, 8, 16]))
+    S = int(rng.integers(1, 9))
+    Smax = 24
+    past = rng.integers(0, Smax - S + 1, size=B)
+    scale = float(D) ** -0.5
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
+                  k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
+                  tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
+    session = ort.InferenceSession(op_model(scale), providers=["CPUExecutionProvider"])
+    got = session.run(None, inputs)[0]
+    want = reference(*inputs.values(), scale)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cache_beyond_past_len_is_ignored():
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype(np.float32) for s in [(1, 2, 3, 4), (1, 1, 8, 4), (1, 1, 8, 4),
+                                                                (1, 1, 3, 4), (1, 1, 3, 4)]]
+    past, mask = np.array([5]), np.tril(np.ones((3, 3), bool))[None]
+    session = ort.InferenceSession(op_model(0.5), providers=["CPUExecutionProvider"])
+    a = session.run(None, dict(zip(INPUTS, args + [past, mask])))[0]
+    args[1][:, :, 5:] = 1e4  # garbage past the valid prefix
+    args[2][:, :, 5:] = np.nan
+    b = session.run(None, dict(zip(INPUTS, args + [past, mask])))[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_function_attached_once():
+    model = onnx.load_from_string(op_model(1.0))
+    again = attach_function(model)
+    assert sum(f.name == OP_TYPE for f in again.functions) == 1
