@@ -4,6 +4,9 @@ forward(input_ids, position_ids, past_len, tree_mask, num_logits, *caches)
     -> logits [B, num_logits, V], hidden [B, S, d], then per layer new keys and values [B, Hkv, S, D].
 `caches` are the static buffers [B, Hkv, Smax, D], read only (k0, v0, k1, v1, ...).
 `num_logits` [1] asks for the logits of the last positions only (prefill needs one).
+A draft may keep a reduced output vocabulary (`vocab_subset`, K ids): its lm_head is [K, d] and the K logits are
+scattered into a full row that is -inf elsewhere, so the output stays [B, n, V] and every other id has draft
+probability exactly zero (the rejection rule stays exact).
 """
 from __future__ import annotations
 
@@ -112,14 +115,18 @@ class Block(nn.Module):
 class SpecModel(nn.Module):
     """Weights under the transformers names (`model.layers.N...`, `lm_head`), so `load_state_dict` maps 1:1."""
 
-    def __init__(self, a: ModelArgs, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, a: ModelArgs, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                 vocab_subset: torch.Tensor | None = None):
         super().__init__()
         self.args = a
+        kept = a.vocab_size if vocab_subset is None else len(vocab_subset)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.model.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
         self.model.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = nn.Linear(a.hidden_size, kept, bias=False)
+        # the kept output ids (K,), part of the weights (and of their hash); None: the whole vocabulary
+        self.register_buffer("vocab_index", None if vocab_subset is None else vocab_subset.long())
         self.register_buffer("rope_cos", rope_cos, persistent=False)  # (Smax, D)
         self.register_buffer("rope_sin", rope_sin, persistent=False)  # (Smax, D)
 
@@ -134,7 +141,11 @@ class SpecModel(nn.Module):
         hidden = self.model.norm(x)                                      # (B, S, d)
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)                        # the positions whose logits we need
-        logits = self.lm_head(hidden.index_select(1, last))              # (B, num_logits, V)
+        logits = self.lm_head(hidden.index_select(1, last))              # (B, num_logits, K)
+        if self.vocab_index is not None:
+            B, n, K = logits.shape
+            full = torch.full((B, n, self.args.vocab_size), float("-inf"), dtype=logits.dtype)
+            logits = full.scatter(2, self.vocab_index.expand(B, n, K), logits)  # (B, num_logits, V)
         return (logits, hidden, *new_kv)
 
 
@@ -147,14 +158,19 @@ def rope_tables(hf_model, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def from_hf(hf_model, max_seq_len: int) -> SpecModel:
+def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -> SpecModel:
+    """`vocab_subset`: the output ids a draft keeps (its lm_head rows), or None for the whole vocabulary."""
     arch = REGISTRY[hf_model.config.model_type]
     args = args_from_config(hf_model.config, arch, max_seq_len)
     cos, sin = rope_tables(hf_model, max_seq_len)
-    model = SpecModel(args, cos, sin)
+    index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
+    model = SpecModel(args, cos, sin, index)
     state = hf_model.state_dict()
     if "lm_head.weight" not in state:  # tied embeddings
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if index is not None:
+        state["lm_head.weight"] = state["lm_head.weight"].index_select(0, index)   # (K, d)
+        state["vocab_index"] = index
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     model.load_state_dict(state, strict=True)
     return model.eval()

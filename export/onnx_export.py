@@ -73,6 +73,8 @@ class StagingDir:
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.out.parent.glob(f".{self.out.name}.partial-*"):  # left by a killed export
+            shutil.rmtree(stale, ignore_errors=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
         return self.tmp
 

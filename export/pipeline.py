@@ -46,11 +46,14 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     f"{target!r} has {models['target']['vocab_size']}: a draft must share the "
                                     "target's vocabulary")
             tokenizer = tokenizer or src.tokenizer
-            model = from_hf(src.model, _max_len(src.model, max_seq_len))
-            log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}, "
+            model = from_hf(src.model, _max_len(src.model, max_seq_len), src.vocab_subset)
+            kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
+            log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}{kept}, "
                 f"max_seq_len {model.args.max_seq_len})")
             export_graph(model, tmp / f"{role}.onnx")
             models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids)
+            if src.vocab_subset:
+                models[role]["output_vocab"] = len(src.vocab_subset)
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}

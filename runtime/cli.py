@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import click
@@ -37,6 +38,7 @@ def main():
 def export(target, draft, out, max_seq_len, force):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log)
     except SpecrtError as e:

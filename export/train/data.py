@@ -1,0 +1,207 @@
+"""Self-distillation data: the target answers training prompts, and its answers become the drafter's labels.
+
+Prompts come from two places, each row records which:
+  seed       the 175 Self-Instruct seed tasks (instruction + input), `data/seed_tasks.jsonl`, Apache-2.0
+  template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
+The MT-Bench prompts are the benchmark set and are never used here.
+
+Each prompt is answered greedily once and sampled `samples` times (temperature 0.7) in one batched call.
+Output: JSON lines {prompt_id, source, prompt, mode, temperature, seed, ids, prompt_len}; rerunning the command
+skips the prompts already in the file, so an interrupted run resumes. `--human` adds, without generating, the
+seed tasks' own human-written answers in the chat format (mode "human"): off-policy text on which the target's
+scores are still exact distillation labels, and scoring a token costs a small fraction of generating one.
+
+    python -m specrt.export.train.data --engines engines/default --out build/distill/data.jsonl --max-minutes 22
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+SEED_TASKS = Path(__file__).parent / "data" / "seed_tasks.jsonl"
+
+TOPICS = [
+    "photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
+    "climate change", "the human immune system", "volcanoes", "the stock market", "renewable energy",
+    "the Roman Empire", "quantum computing", "honey bees", "the Internet", "plate tectonics", "vaccines",
+    "inflation", "the printing press", "coral reefs", "electric cars", "the Moon landing", "DNA",
+    "sleep", "coffee", "chess", "jazz music", "the Great Wall of China", "recycling", "gravity",
+    "the Olympic Games", "social media", "bicycles", "rainforests", "time zones", "the human heart",
+    "operating systems", "compound interest", "earthquakes", "the Renaissance", "public libraries",
+    "solar panels", "antibiotics", "the Silk Road", "password security", "bread baking", "marathon training",
+    "the periodic table", "migratory birds", "remote work", "urban gardening",
+]
+TEMPLATES = [
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}.",
+    "What are three interesting facts about {t}?",
+    "Give me a brief history of {t}.",
+    "What are the main advantages and disadvantages of {t}?",
+    "Write a short poem about {t}.",
+    "Summarize the key ideas behind {t} in a few sentences.",
+    "Write a tweet about {t}.",
+    "Create a quiz with three questions about {t}.",
+    "How would you teach a beginner about {t}?",
+    "Write the opening of a blog post about {t}.",
+    "List five words related to {t} and define each one.",
+    "Why is {t} important?",
+    "Describe a common misconception about {t}.",
+]
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence", "finds the largest element of a list", "sorts a list of words by length",
+    "removes duplicates from a list", "converts Celsius to Fahrenheit", "checks whether a word is a palindrome",
+    "computes the factorial of a number", "merges two sorted lists", "counts word frequencies in a text",
+    "finds the greatest common divisor of two numbers", "flattens a nested list", "validates an email address",
+]
+LANGUAGES = ["Python", "JavaScript", "C", "Java", "Rust"]
+NAMES = ["Alice", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas"]
+ITEMS = ["apples", "pencils", "books", "marbles", "cookies", "stamps", "tickets", "shells"]
+WRITING = [
+    "Write a polite email to a {r} asking to reschedule a meeting.",
+    "Write a short thank-you note to a {r}.",
+    "Write a two-sentence story about a {r} who finds a lost key.",
+    "Write a job advertisement for a {r}.",
+    "Pretend you are a {r}. Introduce yourself in a few sentences.",
+    "Give three tips for becoming a good {r}.",
+]
+ROLES = ["teacher", "neighbour", "nurse", "software engineer", "chef", "librarian", "pilot", "gardener",
+         "journalist", "museum guide"]
+
+
+def seed_prompts(path: Path = SEED_TASKS) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        task = json.loads(line)
+        text = task["instruction"]
+        extra = task["instances"][0]["input"] if task["instances"] else ""
+        if extra.strip():
+            text = f"{text}\n\n{extra}"
+        rows.append({"prompt_id": task["id"], "source": "seed", "prompt": text})
+    return rows
+
+
+def _math_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(3, 40), rng.randint(2, 12), rng.randint(1, 9)
+    name, other, item = *rng.sample(NAMES, 2), rng.choice(ITEMS)
+    return rng.choice([
+        f"{name} has {a} {item}. {other} gives {name} {b} more, then {name} gives away {c}. How many {item} "
+        f"does {name} have now? Explain step by step.",
+        f"A box holds {b} {item}. How many {item} are in {a} boxes? Show your work.",
+        f"What is {a} times {b} plus {c}?",
+        f"Solve for x: {b}x + {c} = {b * a + c}.",
+        f"{name} reads {b} pages a day. How many days does it take to read a book of {a * b} pages?",
+    ])
+
+
+def template_prompts(n: int, seed: int = 0) -> list[dict]:
+    """`n` prompts composed from this module's templates (topics, code, arithmetic, writing), seeded."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        kind = rng.random()
+        if kind < 0.55:
+            text = rng.choice(TEMPLATES).format(t=rng.choice(TOPICS))
+        elif kind < 0.7:
+            text = f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS)}."
+        elif kind < 0.85:
+            text = _math_prompt(rng)
+        else:
+            text = rng.choice(WRITING).format(r=rng.choice(ROLES))
+        out.append({"prompt_id": f"template_{len(out)}", "source": "template", "prompt": text})
+    return out
+
+
+def all_prompts(num_template: int, seed: int) -> list[dict]:
+    """Seed tasks and templated prompts interleaved, so a run cut short by its time budget still sees both."""
+    seeds, templ = seed_prompts(), template_prompts(num_template, seed)
+    rows = []
+    for i in range(max(len(seeds), len(templ))):
+        rows += [r[i] for r in (seeds, templ) if i < len(r)]
+    return rows
+
+
+def generate(engines: str, out: Path, max_new_tokens: int, samples: int, temperature: float,
+             max_minutes: float, num_template: int, seed: int) -> None:
+    from rich.progress import Progress
+
+    from specrt import Generator
+
+    gen = Generator.from_engines(engines)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        done = {json.loads(line)["prompt_id"] for line in out.read_text().splitlines() if line.strip()}
+    todo = [p for p in all_prompts(num_template, seed) if p["prompt_id"] not in done]
+    deadline = time.time() + 60 * max_minutes
+    tokens = 0
+    with out.open("a") as f, Progress() as bar:
+        task = bar.add_task("distilling", total=len(todo))
+        for i, p in enumerate(todo):
+            if time.time() > deadline:
+                bar.console.print(f"time budget reached after {i} prompts")
+                break
+            ids = gen.encode(p["prompt"])
+            runs = [("greedy", 0.0, 1, None)]
+            if samples:
+                runs.append(("sampled", temperature, samples, seed + i))
+            rows = []
+            for mode, temp, n, s in runs:
+                r = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temp, seed=s,
+                                 num_return_sequences=n)
+                rows += [{**p, "mode": mode, "temperature": temp, "seed": s, "ids": ids + new,
+                          "prompt_len": len(ids)} for new in r.token_ids]
+                tokens += r.stats["tokens"]
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.flush()
+            bar.update(task, advance=1, description=f"distilling ({tokens} tokens)")
+
+
+def human_rows(engines: str) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(engines) / "tokenizer")
+    rows = []
+    tasks = {json.loads(line)["id"]: json.loads(line) for line in SEED_TASKS.read_text().splitlines()}
+    for p in seed_prompts():
+        answer = tasks[p["prompt_id"]]["instances"][0]["output"]
+        user = [{"role": "user", "content": p["prompt"]}]
+        prompt = _ids(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True))
+        full = _ids(tok.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=True))
+        if full[:len(prompt)] == prompt and len(full) > len(prompt):
+            rows.append({**p, "prompt_id": p["prompt_id"] + "/human", "mode": "human", "temperature": None,
+                         "seed": None, "ids": full, "prompt_len": len(prompt)})
+    return rows
+
+
+def _ids(x) -> list[int]:
+    return list(x if isinstance(x, list) else x["input_ids"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="engines/default")
+    ap.add_argument("--out", type=Path, default=Path("build/distill/data.jsonl"))
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--samples", type=int, default=3, help="sampled answers per prompt, besides the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-minutes", type=float, default=22.0)
+    ap.add_argument("--num-template", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--human", action="store_true", help="append the seed tasks' human answers, then stop")
+    a = ap.parse_args(argv)
+    if a.human:
+        done = {json.loads(x)["prompt_id"] for x in a.out.read_text().splitlines()} if a.out.exists() else set()
+        rows = [r for r in human_rows(a.engines) if r["prompt_id"] not in done]
+        with a.out.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        print(f"appended {len(rows)} human-answer rows to {a.out}")
+        return
+    generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Train a small draft model for the target by distillation on the target's own answers.
+
+The draft is a transformers LlamaForCausalLM over the target's tokenizer (so it also serves as a transformers
+`assistant_model`): the target's embeddings (tied with its output head), a few of the target's layers and its
+final norm. Only the layers and the norm train; the embeddings stay the target's. The draft's engine keeps a
+reduced output vocabulary: the K ids most frequent in the distilled data, topped up with the lowest ids (the
+earliest BPE merges, the most frequent in general), written to `specrt_vocab.json`.
+
+Three steps, each resumable (rerun the same command):
+  score   the target engine scores every distilled sequence once; its top-k logits per position are the soft
+          labels (`build/distill/teacher.pt`)
+  train   soft cross-entropy against the teacher's top-k over the kept ids, AdamW, cosine schedule,
+          checkpoint every `--save-every` steps (`build/draft-train/ckpt.pt`)
+  save    fp16 safetensors + config.json + specrt_vocab.json into `--out`
+
+    python -m specrt.export.train.train_draft --data build/distill/data.jsonl --out export/drafters/NAME
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TrainConfig:
+    data: str = "build/distill/data.jsonl"
+    engines: str = "engines/default"
+    work: str = "build/draft-train"
+    out: str = "export/drafters/smollm2-135m-draft"
+    layers: tuple[int, ...] = (0, 1)      # target layers the draft starts from, in order
+    kept_vocab: int = 8192
+    topk: int = 16                        # teacher logits kept per position
+    steps: int = 600
+    batch_tokens: int = 4096
+    lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.0
+    save_every: int = 50
+    eval_every: int = 50
+    max_minutes: float = 40.0
+    seed: int = 0
+    threads: int = 2
+
+
+def load_rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def is_val(prompt_id: str) -> bool:
+    """A fixed 1-in-16 split by prompt (all answers of a prompt fall on the same side)."""
+    return zlib.crc32(prompt_id.encode()) % 16 == 0
+
+
+def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int]) -> list[int]:
+    """The k ids most frequent in the data (answers and prompts), topped up with the lowest ids."""
+    counts = Counter(t for r in rows for t in r["ids"])
+    kept = set(always)
+    for t, _ in counts.most_common():
+        if len(kept) >= k:
+            break
+        kept.add(t)
+    t = 0
+    while len(kept) < k and t < vocab_size:
+        kept.add(t)
+        t += 1
+    return sorted(kept)
+
+
+# ---- teacher ------------------------------------------------------------------------------------------------
+def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: float = 30.0) -> dict:
+    """Top-k target logits at every position of every row (the label of position i is token i+1); resumable."""
+    from rich.progress import track
+
+    from specrt import Generator
+    from specrt.drafters import chain_mask
+
+    done = torch.load(path) if path.exists() else {}
+    todo = [i for i in range(len(rows)) if i not in done]
+    if not todo:
+        return done
+    target = Generator.from_engines(engines).target
+    deadline = time.time() + 60 * max_minutes
+    for n, i in enumerate(track(todo, description="scoring with the target")):
+        ids = torch.tensor([rows[i]["ids"][:-1]])
+        S = ids.shape[1]
+        cache = target.new_cache(1)
+        out = target.forward(ids, torch.arange(S)[None].contiguous(), cache.past_len, chain_mask(1, S), S)
+        values, index = out.logits[0].topk(topk, dim=-1)                       # (S, k)
+        done[i] = (values.half().clone(), index.int().clone())
+        if n % 50 == 49 or time.time() > deadline:
+            torch.save(done, path)
+        if time.time() > deadline:
+            raise SystemExit(f"scoring stopped by its time budget after {len(done)} rows; rerun to resume")
+    torch.save(done, path)
+    return done
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+def init_draft(target, layers: tuple[int, ...]):
+    """A LlamaForCausalLM of `len(layers)` layers holding copies of the target's embeddings, layers and norm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = target.config.to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
+        cfg.pop(key, None)
+    cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    draft = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    src = target.state_dict()
+    state = {"model.embed_tokens.weight": src["model.embed_tokens.weight"], "model.norm.weight": src["model.norm.weight"]}
+    for new, old in enumerate(layers):
+        prefix = f"model.layers.{old}."
+        state.update({f"model.layers.{new}.{k[len(prefix):]}": v for k, v in src.items() if k.startswith(prefix)})
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    draft.load_state_dict(state, strict=True)
+    draft.generation_config.eos_token_id = target.generation_config.eos_token_id
+    return draft
+
+
+def batches(items: list[int], rows: list[dict], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Rows of similar length together, at most `batch_tokens` padded tokens per batch, in random order."""
+    order = sorted(items, key=lambda i: len(rows[i]["ids"]))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(rows[i]["ids"]) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(batch: list[int], rows: list[dict], teacher: dict, remap: torch.Tensor, answers_only: bool = False):
+    """input ids (B, S), attention mask (B, S), soft labels: kept-vocab indices (B, S, k) and logits (B, S, k);
+    a position counts in the loss when its mask is set and at least one teacher id is kept."""
+    S = max(len(rows[i]["ids"]) for i in batch) - 1
+    B, k = len(batch), next(iter(teacher.values()))[0].shape[-1]
+    ids = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    t_idx = torch.zeros(B, S, k, dtype=torch.long)
+    t_val = torch.full((B, S, k), float("-inf"))
+    for b, i in enumerate(batch):
+        seq = rows[i]["ids"][:-1]
+        n = len(seq)
+        ids[b, :n] = torch.tensor(seq)
+        mask[b, :n] = True
+        values, index = teacher[i]
+        kept = remap[index.long()]                                                   # (n, k) -1 where dropped
+        t_idx[b, :n] = kept.clamp(min=0)
+        t_val[b, :n] = values.float().masked_fill(kept < 0, float("-inf"))
+        start = rows[i]["prompt_len"] - 1 if answers_only else 0
+        loss_mask[b, start:n] = True
+    loss_mask &= torch.isfinite(t_val).any(-1)
+    return ids, mask, loss_mask, t_idx, t_val
+
+
+def draft_logits(model, ids, mask, kept: torch.Tensor, loss_mask):
+    hidden = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state   # (B, S, d)
+    head = model.lm_head.weight.index_select(0, kept)                                  # (K, d)
+    return hidden[loss_mask] @ head.T                                                  # (N, K)
+
+
+def soft_loss(logits, t_idx, t_val):
+    """Cross-entropy of the draft against the teacher's top-k, renormalised over the kept ids."""
+    p = torch.softmax(t_val, -1)                                                       # (N, k)
+    logq = torch.log_softmax(logits, -1).gather(-1, t_idx)                             # (N, k)
+    return -(p * logq.masked_fill(p == 0, 0)).sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate(model, val: list[int], rows, teacher, remap, kept, batch_tokens) -> dict:
+    """Top-1 agreement with the teacher on the answers of held-out greedy rows (a proxy of greedy α)."""
+    model.eval()
+    agree = total = 0
+    loss = 0.0
+    greedy = [i for i in val if rows[i]["mode"] == "greedy"]
+    for batch in batches(greedy, rows, batch_tokens, random.Random(0)):
+        ids, mask, lm, t_idx, t_val = collate(batch, rows, teacher, remap, answers_only=True)
+        logits = draft_logits(model, ids, mask, kept, lm)
+        top = teacher_top1(batch, rows, teacher, lm)
+        agree += int((kept[logits.argmax(-1)] == top).sum())
+        total += len(top)
+        loss += float(soft_loss(logits, t_idx[lm], t_val[lm])) * len(top)
+    model.train()
+    return {"agreement": agree / max(total, 1), "loss": loss / max(total, 1), "positions": total}
+
+
+def teacher_top1(batch, rows, teacher, loss_mask):
+    S = loss_mask.shape[1]
+    top = torch.full((len(batch), S), -1, dtype=torch.long)
+    for b, i in enumerate(batch):
+        index = teacher[i][1]
+        top[b, :index.shape[0]] = index[:, 0].long()
+    return top[loss_mask]
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specrt.export.sources import load_source
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    work = Path(cfg.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(cfg.data)
+    teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt")
+    target = load_source("smollm2-135m")
+    eos = target.eos_token_ids
+    kept_ids = choose_vocab([r for r in rows if not is_val(r["prompt_id"])], target.model.config.vocab_size,
+                            cfg.kept_vocab, eos)
+    kept = torch.tensor(kept_ids)
+    remap = torch.full((target.model.config.vocab_size,), -1, dtype=torch.long)
+    remap[kept] = torch.arange(len(kept))
+    model = init_draft(target.model, cfg.layers)
+    del target
+    model.model.embed_tokens.weight.requires_grad_(False)   # tied with lm_head: the target's, frozen
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    train_ids = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
+    val_ids = [i for i, r in enumerate(rows) if is_val(r["prompt_id"])]
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
+    ckpt = work / "ckpt.pt"
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["config"] != asdict(cfg) | {"max_minutes": saved["config"]["max_minutes"]}:
+            raise SystemExit(f"{ckpt} was written with another configuration; delete {work} to start over")
+        model.load_state_dict(saved["model"], strict=False)
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        state = saved["state"]
+        torch.set_rng_state(saved["rng"])
+        print(f"resumed at step {state['step']}")
+    else:
+        first = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
+        state["history"].append({"step": 0, **first})
+        print(f"step 0 (target layers {cfg.layers}): val agreement {first['agreement']:.3f} loss {first['loss']:.3f}")
+
+    def save():
+        trainable = {k: v for k, v in model.state_dict().items() if not k.startswith(("model.embed", "lm_head"))}
+        torch.save({"config": asdict(cfg), "model": trainable, "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "state": state, "rng": torch.get_rng_state(), "kept_ids": kept_ids}, work / "ckpt.tmp")
+        (work / "ckpt.tmp").replace(ckpt)
+
+    started = time.time() - state["wall_s"]
+    session_end = time.time() + 60 * cfg.max_minutes
+    model.train()
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]
+    with Progress(*columns) as bar:
+        task = bar.add_task("training", total=cfg.steps, completed=state["step"])
+        while state["step"] < cfg.steps and time.time() < session_end:
+            order = batches(train_ids, rows, cfg.batch_tokens, random.Random(cfg.seed + state["epoch"]))
+            if state["batch"] >= len(order):
+                state["epoch"], state["batch"] = state["epoch"] + 1, 0
+                continue
+            ids, mask, lm, t_idx, t_val = collate(order[state["batch"]], rows, teacher, remap)
+            loss = soft_loss(draft_logits(model, ids, mask, kept, lm), t_idx[lm], t_val[lm])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            state["step"] += 1
+            state["batch"] += 1
+            state["wall_s"] = time.time() - started
+            bar.update(task, advance=1, description=f"training (loss {loss.item():.3f}, epoch {state['epoch']})")
+            if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+                m = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
+                state["history"].append({"step": state["step"], "train_loss": loss.item(), **m})
+                bar.console.print(f"step {state['step']}: val agreement {m['agreement']:.3f} loss {m['loss']:.3f}")
+            if state["step"] % cfg.save_every == 0:
+                save()
+    save()
+    if state["step"] < cfg.steps:
+        raise SystemExit(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun to resume")
+    save_draft(model, kept_ids, Path(cfg.out), {"config": asdict(cfg), "history": state["history"],
+                                                "wall_s": state["wall_s"], "rows": len(rows),
+                                                "train_rows": len(train_ids), "val_rows": len(val_ids)})
+
+
+def save_draft(model, kept_ids: list[int], out: Path, record: dict) -> None:
+    """fp16 safetensors + config.json (loaded back as float32 by the exporter), kept ids, training record."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.half().save_pretrained(out, safe_serialization=True)
+    model.float()
+    (out / "specrt_vocab.json").write_text(json.dumps({"kept_ids": kept_ids}))
+    (out / "training.json").write_text(json.dumps(record, indent=1))
+    print(f"saved {out}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in asdict(TrainConfig()).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, tuple):
+            ap.add_argument(flag, default=",".join(map(str, default)))
+        else:
+            ap.add_argument(flag, type=type(default), default=default)
+    a = vars(ap.parse_args(argv))
+    a["layers"] = tuple(int(x) for x in str(a["layers"]).split(","))
+    train(TrainConfig(**a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Speculative decoding keeps the target's promise: greedy token-identical, sampled distribution identical."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import export_tiny, tiny_model
+from greedy_check import assert_same_or_tie
+from specrt import verification
+from specrt.generate import Generator
+from specrt.sampling import SamplingParams, probs
+
+V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
+N = 20000       # samples per test: enough to catch a 2% error
+P_MIN = 1e-3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a different tiny draft (most drafts rejected), peaked enough to give power."""
+    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
+    directory, target = export_tiny(tmp_path_factory.mktemp("pair"), "llama", seed=1, draft=draft, vocab=V,
+                                    init=0.3, max_seq_len=24)
+    return Generator.from_engines(directory), target
+
+
+@pytest.fixture(scope="module")
+def self_pair(tmp_path_factory):
+    """Draft = target: every draft is accepted, so the bonus-token path runs every round."""
+    target = tiny_model("qwen2", seed=2)
+    directory, _ = export_tiny(tmp_path_factory.mktemp("self"), "qwen2", seed=2, draft=target)
+    return Generator.from_engines(directory), target
+
+
+# ---- greedy ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_greedy_draft_equals_target_greedy(pair, self_pair, gamma):
+    for gen, model in (pair, self_pair):
+        vocab = model.config.vocab_size
+        for seed in range(3):
+            prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+            ref = gen.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+            out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", gamma=gamma)
+            assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+            assert out.stats["gamma"] == gamma
+
+
+def test_self_draft_accepts_everything(self_pair):
+    gen, _ = self_pair
+    out = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=21, method="draft", gamma=4)  # 1 + 4 rounds of 5
+    assert out.stats["acceptance_rate"] == 1.0
+    assert out.stats["mean_tokens_per_round"] == 5.0
+
+
+def test_weak_draft_is_mostly_rejected_and_adaptive_gamma_reports(pair):
+    gen, _ = pair
+    out = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, method="draft")
+    s = out.stats
+    assert s["acceptance_rate"] < 0.5
+    assert 1 <= s["gamma"] <= 8 and s["cost_ratio_c"] > 0 and s["predicted_speedup"] > 0
+    assert len(s["acceptance_per_position"]) >= 1
+
+
+def test_ngram_greedy_equals_target_greedy(pair):
+    gen, model = pair
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12).token_ids[0]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="ngram", gamma=3)
+    assert out.stats["acceptance_rate"] is not None  # proposals happened
+    assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+
+
+# ---- temperature > 0: chi-square against the exact distribution of the first 3 tokens ----------------------
+def exact_joint(model, prompt, params):
+    """P(t1, t2, t3 | prompt) from transformers, with the same temperature/top-k/top-p transform."""
+    with torch.no_grad():
+        def next_probs(prefixes):
+            return probs(model(torch.tensor(prefixes)).logits[:, -1].float(), params)
+        p1 = next_probs([prompt])[0]                                                    # (V,)
+        p2 = next_probs([prompt + [a] for a in range(V)])                               # (V, V)
+        p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).double().numpy()
+
+
+def chi_square_p(samples, joint):
+    counts = np.zeros(joint.size)
+    idx = np.ravel_multi_index(np.asarray(samples)[:, :3].T, joint.shape)
+    np.add.at(counts, idx, 1)
+    expected = joint.ravel() * len(samples)
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+CASES = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=5),
+         dict(temperature=1.0, top_p=0.8)]
+
+
+def sample_first3(gen, prompt, method, gamma, seed, **kw):
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method,
+                       gamma=gamma, seed=seed, **kw)
+    assert all(len(t) == 3 for t in out.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_draft_distribution_is_the_target_distribution(pair, kw):
+    gen, model = pair
+    prompt = [5, 1, 7]
+    out = sample_first3(gen, prompt, "draft", 2, seed=123, **kw)
+    assert out.stats["acceptance_rate"] < 0.9  # rejections (and so the residual) really happened
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"draft {kw}: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+def repeat_prompt(model):
+    """[a, b, a, b, a, b, a]: the lookup proposes from the repeats. Of all pairs, the one where a wrong residual
+    would move the most probability (P(b) · P(a | b) · (1 − P(a | b))), so that the test has power."""
+    with torch.no_grad():
+        pairs = [(a, b) for a in range(V) for b in range(V) if a != b]
+        prompts = [[a, b] * 3 + [a] for a, b in pairs]
+        rows = torch.arange(len(pairs))
+        p1 = torch.softmax(model(torch.tensor(prompts)).logits[:, -1], -1)[rows, [b for _, b in pairs]]
+        p2 = torch.softmax(model(torch.tensor([q + [q[1]] for q in prompts])).logits[:, -1], -1)
+        p2 = p2[rows, [a for a, _ in pairs]]
+    return prompts[int((p1 * p2 * (1 - p2)).argmax())]
+
+
+@pytest.mark.parametrize("kw", CASES[:2], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_ngram_distribution_is_the_target_distribution(pair, kw):
+    gen, model = pair
+    prompt = repeat_prompt(model)
+    out = sample_first3(gen, prompt, "ngram", 2, seed=321, **kw)
+    assert out.stats["acceptance_rate"] is not None and out.stats["rounds"] >= 1
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"ngram {kw}: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_broken_rule_is_caught(pair, monkeypatch, method):
+    """Power: skipping the residual (sampling from P after a rejection) must fail the same test."""
+    gen, model = pair
+    prompt = [5, 1, 7] if method == "draft" else repeat_prompt(model)
+    monkeypatch.setattr(verification, "residual", lambda P_n, Q_n: P_n)
+    out = sample_first3(gen, prompt, method, 2, seed=99, temperature=1.0)
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"broken rule ({method}): chi-square p = {p:.2e}")
+    assert p < P_MIN
+
+
+# ---- the rule's edge cases -------------------------------------------------------------------------------
+def run_rule(P, Q, draft, rows=20000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = torch.tensor(P, dtype=torch.float32).expand(rows, -1, -1)
+    Q = None if Q is None else torch.tensor(Q, dtype=torch.float32).expand(rows, -1, -1)
+    d = torch.tensor(draft).expand(rows, -1)
+    return verification.sampled(P, Q, d, torch.ones_like(d, dtype=torch.bool), g)
+
+
+def test_rule_p_equals_q_accepts_all():
+    n, nxt = run_rule([[0.2, 0.8], [0.5, 0.5], [0.9, 0.1]], [[0.2, 0.8], [0.5, 0.5]], [1, 0])
+    assert (n == 2).all()
+    assert abs((nxt == 0).float().mean() - 0.9) < 0.01  # bonus token from P at the last position
+
+
+def test_rule_q_zero_where_p_is_not():
+    # Q puts everything on token 0; P is 50/50: token 0 is accepted half the time, the residual is token 1
+    n, nxt = run_rule([[0.5, 0.5], [1.0, 0.0]], [[1.0, 0.0]], [0])
+    assert abs(n.float().mean() - 0.5) < 0.02
+    assert (nxt[n == 0] == 1).all()
+    emitted = torch.where(n == 1, torch.zeros_like(nxt), nxt)
+    assert abs((emitted == 0).float().mean() - 0.5) < 0.02  # the first token is distributed as P
+
+
+def test_rule_p_one_hot():
+    n, nxt = run_rule([[0.0, 1.0, 0.0], [0, 0, 1.0]], [[1 / 3, 1 / 3, 1 / 3]], [0])
+    assert (n == 0).all() and (nxt == 1).all()
+    n, nxt = run_rule([[0.0, 1.0, 0.0], [0, 0, 1.0]], [[1 / 3, 1 / 3, 1 / 3]], [1])
+    assert (n == 1).all() and (nxt == 2).all()
+
+
+def test_rule_none_accepted_and_deterministic_proposals():
+    n, nxt = run_rule([[0.0, 1.0], [0.5, 0.5]], None, [0])   # deterministic draft of a P = 0 token
+    assert (n == 0).all() and (nxt == 1).all()
+    n, nxt = run_rule([[0.3, 0.7], [0.5, 0.5]], None, [1])   # accepted with probability P(x) = 0.7
+    assert abs(n.float().mean() - 0.7) < 0.02
+    assert (nxt[n == 0] == 0).all()                           # residual: P with x removed
+
+
+def test_greedy_rule():
+    logits = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.0, 3.0]]])
+    n, nxt = verification.greedy(logits, torch.tensor([[1, 0]]), torch.ones(1, 2, dtype=torch.bool))
+    assert n.item() == 2 and nxt.item() == 1                   # all accepted, bonus argmax
+    n, nxt = verification.greedy(logits, torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.bool))
+    assert n.item() == 0 and nxt.item() == 1                   # first rejected, target's token
