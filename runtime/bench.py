@@ -104,13 +104,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _load() -> float | None:
+    """1-minute load average: above the core count, other processes competed for the cores."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def machine_info(threads: int) -> dict:
     import onnxruntime
     import transformers
     import specrt
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "cores": cores, "threads": threads,
+            "python": platform.python_version(), "cores": cores, "threads": threads, "load_average": _load(),
             "versions": {"specrt": specrt.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "onnxruntime": onnxruntime.__version__,
                          "numpy": np.__version__}}
@@ -221,6 +226,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
             for g in cfg.gamma_sweep:
                 row = run_specrt(gen, p, m, temp, cfg.max_new_tokens, seed, gamma=g)
                 bench.sweep.append(step(row, prompt=prompts[i].id))
+    bench.info["load_average_end"] = _load()
     return bench
 
 

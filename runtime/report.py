@@ -122,7 +122,9 @@ def report_markdown(results: dict) -> str:
         f"Engines `{info['engines']}` (target `{info['target']}`, draft `{info['draft'] or 'none'}`); "
         f"{cfg['num_prompts_run']} prompts from `{info['prompts']}` × {cfg['max_new_tokens']} new tokens, "
         f"temperatures {', '.join(_f(t, 'g') for t in cfg['temperatures'])}, seed {cfg['seed']}; "
-        f"{info['threads']} threads on {info['cores']} cores ({info['processor']}, {info['platform']}).", "",
+        f"{info['threads']} threads (engines and torch) on {info['cores']} cores ({info['processor']}, "
+        f"{info['platform']}); 1-minute load average {_f(info['load_average'], '.1f')} at the start, "
+        f"{_f(info.get('load_average_end'), '.1f')} at the end.", "",
         markdown_table(COLUMNS, table_rows(results["summary"])), "",
         "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
         "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
@@ -152,8 +154,10 @@ def report_markdown(results: dict) -> str:
                 "![speedup vs gamma](speedup_vs_gamma.png)", ""]
     out += ["![tokens per second](tokens_per_s.png)", "", "![acceptance per position](acceptance_per_position.png)",
             "", "## Notes", "",
-            "- The machine may be shared: absolute times are indications. Ratios are measured side by side: each "
-            "prompt runs every method and peer back to back, so a slow spell slows them alike.",
+            "- The machine may be shared (a load average above the core count means it was): absolute times are "
+            "indications, and torch's thread pool (transformers peers, sampling) suffers most from "
+            "oversubscription. Ratios are measured side by side: each prompt runs every method and peer back to "
+            "back, so a slow spell slows them alike.",
             "- Timings include prefill; every system sees the same token ids and max_new_tokens and stops at EOS.",
             "- At temperature > 0 the systems draw different random streams: same distribution, different samples, "
             "hence different lengths and acceptance."]
