@@ -178,7 +178,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     labels = [f"{r['system']} {r['method']} T={r['temperature']:g}" for r in rows]
     colors = ["tab:blue" if r["system"] == "specrt" else "tab:gray" for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows], color=colors)
-    ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--", label="bandwidth floor (1 token/step)")
+    ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--", label="bandwidth limit, 1 token per step")
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s")
     ax.legend(loc="lower right")
