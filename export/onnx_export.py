@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from specrt.export.model import SpecModel, from_hf
+from specrt.export.model import SpecModel
 from specrt.plugins.tree_attention import attach_function
 
 
@@ -41,7 +41,7 @@ def export_graph(model: SpecModel, path: Path) -> None:
     outputs = ["logits", "hidden", *cache_out]
     dyn = {"input_ids": {0: "B", 1: "S"}, "position_ids": {0: "B", 1: "S"}, "past_len": {0: "B"},
            "tree_mask": {0: "B", 1: "S", 2: "S"}, "logits": {0: "B", 1: "num_logits"}, "hidden": {0: "B", 1: "S"}}
-    dyn.update({n: {0: "B"} for n in cache_in})
+    dyn.update({n: {0: "B", 2: "cache_len"} for n in cache_in})  # the runtime sizes caches per request
     dyn.update({n: {0: "B", 2: "S"} for n in cache_out})
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -91,7 +91,3 @@ class StagingDir:
         else:
             self.tmp.rename(self.out)
         return False
-
-
-def to_spec_model(hf_model, max_seq_len: int) -> SpecModel:
-    return from_hf(hf_model, max_seq_len)

@@ -48,9 +48,11 @@ class OrtEngine:
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
 
-    def new_cache(self, batch: int) -> KVCache:
+    def new_cache(self, batch: int, length: int | None = None) -> KVCache:
+        """A cache of `length` slots per row (default and at most the engine's max_seq_len)."""
         s = self.spec
-        cache = KVCache(s["layers"], batch, s["kv_heads"], s["max_seq_len"], s["head_dim"], self.device)
+        length = min(length or s["max_seq_len"], s["max_seq_len"])
+        cache = KVCache(s["layers"], batch, s["kv_heads"], length, s["head_dim"], self.device)
         self.use_cache(cache)
         return cache
 
@@ -84,6 +86,7 @@ class OrtEngine:
         num = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
                  "tree_mask": tree_mask, "num_logits": num}
+        feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
         for name, t in feeds.items():
             self._bind("input", name, t)
         logits = self._buffer("logits", B * num_logits * s["vocab_size"]).narrow(0, 0, B * num_logits * s["vocab_size"])

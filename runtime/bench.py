@@ -164,68 +164,77 @@ def run_peer(model, ids: list[int], name: str, temperature: float, max_new: int,
 
 
 # ---- the bench ----------------------------------------------------------------------------------------------
-def run_bench(cfg: BenchConfig, progress=None) -> Bench:
-    from specrt.backends import default_threads
+@dataclass
+class _Setup:
+    gen: object                  # specrt Generator
+    target: torch.nn.Module      # the same target, in transformers
+    assistant: torch.nn.Module | None
+    eos: list[int]
+    methods: list[str]
+    peers: list[str]
+    prompts: list[Prompt]
+    ids: list[list[int]]
+
+
+def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
     from specrt.generate import Generator
 
-    threads = cfg.threads or default_threads()
-    torch.set_num_threads(threads)
-    gen = Generator.from_engines(cfg.engines, threads=threads)
-    bench = Bench(cfg, info=machine_info(threads))
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    torch.set_num_threads(bench.info["threads"])
+    gen = Generator.from_engines(cfg.engines, threads=bench.info["threads"])
     methods = [m for m in cfg.methods if _runnable(gen, m, bench.notes)]
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")
         bench.notes.append("autoregressive added: it is the baseline of every speedup")
-    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
-
     models = gen.manifest["models"]
-    target = load_source(models["target"]["source"])
-    eos = models["target"].get("eos_token_ids", [])
     peers = _peers(cfg, models, bench.notes)
+    target = load_source(models["target"]["source"]).model
     assistant = load_source(models["draft"]["source"]).model if "hf-assisted" in peers else None
     costs = gen.costs()
-    bench.info.update(_floor(target.model), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
+    bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
                       costs={"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c})
+    return _Setup(gen, target, assistant, models["target"].get("eos_token_ids", []), methods, peers, prompts, ids)
 
-    # warm-up: first calls pay for allocation and graph set-up
-    for m in methods:
-        run_specrt(gen, ids[0], m, 0.0, 4, cfg.seed)
-    for p in peers:
-        run_peer(target.model, ids[0], p, 0.0, 4, cfg.seed, eos, assistant)
 
-    sweep_methods = [m for m in methods if m != "autoregressive"]
-    sweep_n = min(cfg.sweep_prompts, len(ids)) if cfg.gamma_sweep and sweep_methods else 0
-    total = len(ids) * len(cfg.temperatures) * (len(methods) + len(peers)) \
+def run_bench(cfg: BenchConfig, progress=None) -> Bench:
+    """Every prompt × temperature × (method, peer), interleaved per prompt; then the fixed-γ sweep."""
+    from specrt.backends import default_threads
+
+    bench = Bench(cfg, info=machine_info(cfg.threads or default_threads()))
+    s = _setup(cfg, bench)
+    for m in s.methods:   # warm-up: first calls pay for allocation and graph set-up
+        run_specrt(s.gen, s.ids[0], m, 0.0, 4, cfg.seed)
+    for p in s.peers:
+        run_peer(s.target, s.ids[0], p, 0.0, 4, cfg.seed, s.eos, s.assistant)
+
+    sweep_methods = [m for m in s.methods if m != "autoregressive"]
+    sweep_n = min(cfg.sweep_prompts, len(s.ids)) if cfg.gamma_sweep and sweep_methods else 0
+    total = len(s.ids) * len(cfg.temperatures) * (len(s.methods) + len(s.peers)) \
         + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep))
     task = progress.add_task("bench", total=total) if progress else None
 
-    def step(row, **tags):
-        row.update(tags)
+    def record(rows: list, row: dict, i: int) -> None:
+        rows.append({**row, "prompt": s.prompts[i].id})
         if progress:
             progress.update(task, advance=1, description=f"{row['system']} {row['method']} t={row['temperature']}")
-        return row
 
-    for i, p in enumerate(ids):
-        seed = cfg.seed + i
+    new = cfg.max_new_tokens
+    for i, p in enumerate(s.ids):
         for temp in cfg.temperatures:
-            for m in methods:
-                bench.runs.append(step(run_specrt(gen, p, m, temp, cfg.max_new_tokens, seed), prompt=prompts[i].id))
-            for name in peers:
-                row = run_peer(target.model, p, name, temp, cfg.max_new_tokens, seed, eos, assistant)
-                bench.runs.append(step(row, prompt=prompts[i].id))
+            for m in s.methods:
+                record(bench.runs, run_specrt(s.gen, p, m, temp, new, cfg.seed + i), i)
+            for name in s.peers:
+                record(bench.runs, run_peer(s.target, p, name, temp, new, cfg.seed + i, s.eos, s.assistant), i)
 
     temp = cfg.temperatures[0]
-    for i, p in enumerate(ids[:sweep_n]):
-        seed = cfg.seed + i
-        bench.sweep.append(step(run_specrt(gen, p, "autoregressive", temp, cfg.max_new_tokens, seed),
-                                prompt=prompts[i].id))
+    for i, p in enumerate(s.ids[:sweep_n]):
+        record(bench.sweep, run_specrt(s.gen, p, "autoregressive", temp, new, cfg.seed + i), i)
         for m in sweep_methods:
             for g in cfg.gamma_sweep:
-                row = run_specrt(gen, p, m, temp, cfg.max_new_tokens, seed, gamma=g)
-                bench.sweep.append(step(row, prompt=prompts[i].id))
+                record(bench.sweep, run_specrt(s.gen, p, m, temp, new, cfg.seed + i, gamma=g), i)
     bench.info["load_average_end"] = _load()
     return bench
 

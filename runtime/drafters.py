@@ -39,16 +39,20 @@ class DraftModelDrafter:
         self.engine, self.timer = engine, timer
 
     def start(self, run) -> None:
-        self.cache = self.engine.new_cache(run.batch)
-        m = int(run.lengths[0]) - 1          # the prompt minus its last token (called after the first token)
-        if m > 1:
-            ids = run.tokens[:, :m - 1]
-            pos = torch.arange(m - 1).expand(run.batch, -1).contiguous()
-            out = self.timer(self.engine, self.cache, ids, pos, chain_mask(run.batch, m - 1), 1)
-            self.cache.write(out.new_kv)
+        """Prefill the prompt minus its last token once, then copy it to every row."""
+        m = run.prompt_len - 1
+        one = self.engine.new_cache(1, run.cache_len)
+        if m > 0:
+            out = self.timer(self.engine, one, run.tokens[:1, :m], torch.arange(m)[None], chain_mask(1, m), 1)
+            one.write(out.new_kv)
+            one.past_len += m
+        self.cache = one
+        if run.batch > 1:
+            self.cache = self.engine.new_cache(run.batch, run.cache_len)
+            self.cache.broadcast_row(one)
 
     def propose(self, run, gamma: int) -> Proposal:
-        B, smax = run.batch, self.cache.max_seq_len
+        B, smax = run.batch, run.max_len
         start = (run.lengths - 2).clamp(min=0)
         self.cache.truncate(start)
         ids = run.tokens.gather(1, start[:, None] + torch.arange(2))                    # (B, 2)

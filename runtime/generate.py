@@ -37,7 +37,8 @@ class _Run:
     stop_ids: set[int]
     params: SamplingParams
     generator: torch.Generator
-    max_len: int
+    max_len: int                    # the engines' max_seq_len
+    cache_len: int = 0              # slots per row in this request's caches (<= max_len)
     cache: object = None            # the target's KVCache
     active: list[bool] = field(default_factory=list)
     stop_reason: list[str | None] = field(default_factory=list)
@@ -135,6 +136,7 @@ class Generator:
         tokens[:, :len(ids)] = torch.tensor(ids)
         run = _Run(tokens, torch.full((B,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
                    set(spec.get("eos_token_ids", [])), params, params.generator(), max_len,
+                   cache_len=min(max_len, len(ids) + max_new_tokens + (gamma or MAX_GAMMA) + 2),
                    active=[True] * B, stop_reason=[None] * B)
         drafter = {"draft": lambda: DraftModelDrafter(self.draft, self._timed),
                    "ngram": lambda: NgramDrafter(ngram_max, ngram_min)}.get(method, lambda: None)()
@@ -160,13 +162,18 @@ class Generator:
         return self._result(run, method, wall, prefill_time, policy, gamma)
 
     def _prefill(self, run: _Run) -> None:
+        """The prompt runs once (one row); its cache is copied to the B rows, each samples its first token."""
         B, m = run.batch, run.prompt_len
-        cache = run.cache = self.target.new_cache(B)
-        pos = torch.arange(m).expand(B, m).contiguous()
-        out = self._timed(self.target, cache, run.tokens[:, :m].contiguous(), pos, chain_mask(B, m), 1)
-        cache.write(out.new_kv)
-        logits = out.logits[:, -1]                                                      # (B, V)
+        one = self.target.new_cache(1, run.cache_len)
+        out = self._timed(self.target, one, run.tokens[:1, :m], torch.arange(m)[None], chain_mask(1, m), 1)
+        one.write(out.new_kv)
+        one.past_len += m
+        logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
         first = logits.argmax(-1) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        run.cache = one
+        if B > 1:
+            run.cache = self.target.new_cache(B, run.cache_len)
+            run.cache.broadcast_row(one)
         self._commit(run, Proposal.empty(B), torch.zeros(B, dtype=torch.int64), first)
 
     def _fit_gamma(self, run: _Run, gamma: int) -> int:
@@ -271,7 +278,7 @@ class Generator:
         return self._costs
 
     def _time_pass(self, engine, context: int, k: int) -> float:
-        cache = engine.new_cache(1)
+        cache = engine.new_cache(1, context + MAX_GAMMA + 2)
         cache.truncate(max(context, 0))
         ids = torch.zeros(1, k, dtype=torch.int64)
         pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()

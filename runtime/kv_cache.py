@@ -5,13 +5,14 @@ import torch
 
 
 class KVCache:
-    """`data` is (2L, B, Hkv, Smax, D): keys of layer i at 2i, values at 2i+1. Row b holds `past_len[b]` valid
-    positions; everything at or beyond it is scratch. Nothing here allocates after construction."""
+    """`data` is (2L, B, Hkv, Smax, D) with Smax = `length`: keys of layer i at 2i, values at 2i+1. Row b holds
+    `past_len[b]` valid positions; everything at or beyond it is scratch. Nothing here allocates after
+    construction."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, device="cpu"):
-        self.data = torch.zeros(2 * layers, batch, kv_heads, max_seq_len, head_dim, device=device)
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, device="cpu"):
+        self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, device=device)
         self.past_len = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.max_seq_len = max_seq_len
+        self.length = length
 
     def layer_buffers(self) -> list[torch.Tensor]:
         return list(self.data.unbind(0))  # each (B, Hkv, Smax, D), contiguous views
@@ -24,7 +25,7 @@ class KVCache:
             p = int(start[0])
             self.data[:, 0, :, p:p + S] = new_kv[:, 0]
             return
-        slots = (start[:, None] + torch.arange(S, device=start.device)).clamp_(max=self.max_seq_len - 1)  # (B, S)
+        slots = (start[:, None] + torch.arange(S, device=start.device)).clamp_(max=self.length - 1)  # (B, S)
         rows = torch.arange(new_kv.shape[1], device=start.device)[:, None]                                 # (B, 1)
         by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
         by_row[rows, slots] = new_kv.permute(1, 3, 0, 2, 4)               # (B, S, 2L, Hkv, D)
@@ -34,6 +35,12 @@ class KVCache:
         p = int(self.past_len[row])
         picked = self.data[:, row, :, p + offsets]                        # (2L, Hkv, n, D), a copy
         self.data[:, row, :, p:p + len(offsets)] = picked
+
+    def broadcast_row(self, src: "KVCache") -> None:
+        """Fill every row from row 0 of a one-row cache (a prompt prefilled once for B sequences)."""
+        n = int(src.past_len[0])
+        self.data[:, :, :, :n] = src.data[:, :1, :, :n]
+        self.past_len[:] = n
 
     def truncate(self, length: int | torch.Tensor) -> None:
         """O(1) rollback: only the index moves."""
