@@ -40,6 +40,7 @@ class TrainConfig:
     layers: tuple[int, ...] = (0, 1)      # target layers the draft starts from, in order
     kept_vocab: int = 8192
     topk: int = 16                        # teacher logits kept per position
+    score_minutes: float = 10.0
     steps: int = 600
     batch_tokens: int = 4096
     lr: float = 3e-4
@@ -77,8 +78,9 @@ def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int]) -
 
 
 # ---- teacher ------------------------------------------------------------------------------------------------
-def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: float = 30.0) -> dict:
-    """Top-k target logits at every position of every row (the label of position i is token i+1); resumable."""
+def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: float) -> dict:
+    """Top-k target logits at every position of every row (the label of position i is token i+1); resumable.
+    Stops at its time budget: the rows scored by then are the training set (rerun to score more)."""
     from rich.progress import track
 
     from specrt import Generator
@@ -97,10 +99,11 @@ def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: fl
         out = target.forward(ids, torch.arange(S)[None].contiguous(), cache.past_len, chain_mask(1, S), S)
         values, index = out.logits[0].topk(topk, dim=-1)                       # (S, k)
         done[i] = (values.half().clone(), index.int().clone())
-        if n % 50 == 49 or time.time() > deadline:
+        if n % 50 == 49:
             torch.save(done, path)
         if time.time() > deadline:
-            raise SystemExit(f"scoring stopped by its time budget after {len(done)} rows; rerun to resume")
+            print(f"scoring stopped by its time budget: {len(done)} of {len(rows)} rows scored")
+            break
     torch.save(done, path)
     return done
 
@@ -217,7 +220,10 @@ def train(cfg: TrainConfig) -> None:
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     rows = load_rows(cfg.data)
-    teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt")
+    teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt", cfg.score_minutes)
+    for i, (values, _) in teacher.items():
+        if values.shape[0] != len(rows[i]["ids"]) - 1:
+            raise SystemExit(f"{work / 'teacher.pt'} does not match {cfg.data} (row {i}); delete it to rescore")
     target = load_source("smollm2-135m")
     eos = target.eos_token_ids
     kept_ids = choose_vocab([r for r in rows if not is_val(r["prompt_id"])], target.model.config.vocab_size,
@@ -232,13 +238,14 @@ def train(cfg: TrainConfig) -> None:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
-    train_ids = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
-    val_ids = [i for i, r in enumerate(rows) if is_val(r["prompt_id"])]
+    train_ids = [i for i, r in enumerate(rows) if i in teacher and not is_val(r["prompt_id"])]
+    val_ids = [i for i, r in enumerate(rows) if i in teacher and is_val(r["prompt_id"])]
     state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        if saved["config"] != asdict(cfg) | {"max_minutes": saved["config"]["max_minutes"]}:
+        same = ("max_minutes", "score_minutes")
+        if saved["config"] != asdict(cfg) | {k: saved["config"][k] for k in same}:
             raise SystemExit(f"{ckpt} was written with another configuration; delete {work} to start over")
         model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["opt"])
@@ -269,7 +276,7 @@ def train(cfg: TrainConfig) -> None:
             if state["batch"] >= len(order):
                 state["epoch"], state["batch"] = state["epoch"] + 1, 0
                 continue
-            ids, mask, lm, t_idx, t_val = collate(order[state["batch"]], rows, teacher, remap)
+            ids, mask, lm, t_idx, t_val = collate(order[state["batch"]], rows, teacher, remap, answers_only=True)
             loss = soft_loss(draft_logits(model, ids, mask, kept, lm), t_idx[lm], t_val[lm])
             opt.zero_grad(set_to_none=True)
             loss.backward()
