@@ -122,5 +122,62 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
     click.echo(line + f", stop: {s['stop_reason'] or 'see stop_reasons'}]", err=True)
 
 
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--method", type=click.Choice(["draft", "ngram"]), default="draft", show_default=True)
+@click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
+@click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")
+@click.option("--samples", default=2000, show_default=True, help="Sequences drawn for the statistical test.")
+@click.option("--depth", default=3, show_default=True, help="Tokens per sampled sequence.")
+@click.option("--temperature", default=0.7, show_default=True)
+@click.option("--top-k", default=20, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--gamma", default=2, show_default=True)
+@click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
+@click.option("--seed", default=0, show_default=True)
+def verify(engines, method, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
+           alpha, seed):
+    """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
+    identical (chi-square against the exact target distribution; p-values printed)."""
+    from specrt.bench import load_prompts
+    from specrt.check import Report, check_greedy, check_sampling
+    from specrt.generate import Generator
+    from specrt.sampling import SamplingParams
+    try:
+        gen = Generator.from_engines(engines)
+        if gen.tokenizer is not None:
+            prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)]
+        else:  # engines without a tokenizer: short repeating id prompts
+            prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(num_prompts)]
+        report = Report()
+        click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {len(prompts)} prompts x "
+                   f"{max_new_tokens} tokens")
+        report.greedy = check_greedy(gen, prompts, method, max_new_tokens, gamma=gamma)
+        for i, row in enumerate(report.greedy):
+            detail = "identical" if row["identical"] else (
+                f"diverged at token {row.get('diverged_at')}, logit gap {row.get('logit_gap', float('nan')):.2e}"
+                f" ({'near tie' if row['ok'] else 'NOT a tie'})")
+            click.echo(f"  prompt {i + 1}: {row['tokens']} tokens, {detail}")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k {top_k}, "
+                   f"top-p {top_p}; chi-square of the next token at the most frequent prefixes")
+        report.tests = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, gamma=gamma)
+        for t in report.tests:
+            mark = "ok" if t["p_value"] > alpha else "FAIL"
+            click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} bins, "
+                       f"p = {t['p_value']:.4f} {mark}")
+    except SpecrtError as e:
+        _fail(e)
+    click.echo("PASS" if report.passed else "FAIL")
+    sys.exit(0 if report.passed else 1)
+
+
+def _register_bench():
+    from specrt.bench import bench
+    main.add_command(bench)
+
+
+_register_bench()
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,89 @@
+"""`specrt verify`: check the losslessness promise on the user's own engines.
+
+1. Greedy: the method's output is token-identical to the target's own greedy output on a few prompts; a
+   difference is reported with the target's logit gap at that step (a near tie between kernels, or a bug).
+2. Sampling: many sequences of a few tokens are drawn with the method; for the most frequent prefixes the
+   next token's counts are compared (chi-square) with the exact target distribution at that prefix.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from specrt.drafters import chain_mask
+from specrt.sampling import SamplingParams, probs
+
+TIE_GAP = 1e-3
+
+
+@dataclass
+class Report:
+    greedy: list[dict] = field(default_factory=list)
+    tests: list[dict] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(g["ok"] for g in self.greedy) and all(t["p_value"] > t["alpha"] for t in self.tests)
+
+
+def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
+    """The target's logits after `ids`, from a fresh one-row pass of its engine."""
+    cache = gen.target.new_cache(1, len(ids) + 1)
+    out = gen.target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache.past_len,
+                             chain_mask(1, len(ids)), 1, cache)
+    return out.logits[0, -1].clone()
+
+
+def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int, **kw) -> list[dict]:
+    rows = []
+    for ids in prompts:
+        ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method=method, **kw).token_ids[0]
+        diverge = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+        row = {"prompt_tokens": len(ids), "tokens": len(ref), "identical": out == ref, "ok": out == ref}
+        if diverge is not None:
+            logits = next_token_logits(gen, ids + ref[:diverge])
+            gap = abs(float(logits[out[diverge]] - logits[ref[diverge]]))
+            row.update(diverged_at=diverge, logit_gap=gap, ok=gap < TIE_GAP)
+        elif len(out) != len(ref):
+            row["ok"] = False
+        rows.append(row)
+    return rows
+
+
+def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, samples: int, depth: int,
+                   prefixes: int, alpha: float, chunk: int = 256, **kw) -> list[dict]:
+    """Chi-square of the next-token counts at the most frequent prefixes against the exact target
+    distribution there (bins expected below 5 are pooled)."""
+    seqs = []
+    for start in range(0, samples, chunk):
+        n = min(chunk, samples - start)
+        seed = None if params.seed is None else params.seed + start
+        out = gen.generate(prompt_ids=ids, max_new_tokens=depth, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, seed=seed, num_return_sequences=n,
+                           method=method, **kw)
+        seqs += [tuple(t) for t in out.token_ids if len(t) == depth]
+    tests = []
+    for d in range(1, depth):  # position 0 comes from the prefill, not from a drafter
+        counts = Counter(s[:d] for s in seqs)
+        for prefix, total in counts.most_common(prefixes):
+            observed = Counter(s[d] for s in seqs if s[:d] == prefix)
+            P = probs(next_token_logits(gen, ids + list(prefix)), params).double().numpy()
+            expected = P * total
+            big = expected >= 5
+            obs = np.array([observed.get(int(t), 0) for t in np.flatnonzero(big)] +
+                           [total - sum(observed.get(int(t), 0) for t in np.flatnonzero(big))], float)
+            exp = np.append(expected[big], expected[~big].sum())
+            if exp[-1] < 1e-9:
+                obs, exp = obs[:-1], exp[:-1]
+            if len(exp) < 2:
+                continue
+            p = float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+            impossible = sum(c for t, c in observed.items() if P[t] == 0)
+            tests.append({"position": d, "prefix": list(prefix), "samples": total, "bins": len(exp),
+                          "p_value": 0.0 if impossible else p, "alpha": alpha})
+    return tests
