@@ -95,8 +95,8 @@ def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: fl
     for n, i in enumerate(track(todo, description="scoring with the target")):
         ids = torch.tensor([rows[i]["ids"][:-1]])
         S = ids.shape[1]
-        cache = target.new_cache(1)
-        out = target.forward(ids, torch.arange(S)[None].contiguous(), cache.past_len, chain_mask(1, S), S)
+        cache = target.new_cache(1, S)
+        out = target.forward(ids, torch.arange(S)[None].contiguous(), cache.past_len, chain_mask(1, S), S, cache)
         values, index = out.logits[0].topk(topk, dim=-1)                       # (S, k)
         done[i] = (values.half().clone(), index.int().clone())
         if n % 50 == 49:
