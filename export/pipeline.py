@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
 from specrt.export.onnx_export import StagingDir, export_graph, model_entry
+from specrt.export.medusa import export_heads, load_heads
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
 from specrt.manifest import FORMAT_VERSION, file_entry, write_manifest
@@ -22,7 +23,8 @@ def _max_len(model, requested: int) -> int:
 
 
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
-                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print) -> Path:
+                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
+                   medusa: str | None = None) -> Path:
     out = Path(out)
     if max_seq_len < 2:
         raise InputError(f"--max-seq-len {max_seq_len}: must be at least 2")
@@ -54,6 +56,13 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
+            if role == "target" and medusa is not None:
+                heads = load_heads(medusa, model)
+                log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
+                export_heads(heads, tmp / "medusa.onnx")
+                models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
+                                    "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
+                                    "graph": file_entry(tmp, "medusa.onnx")}
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}

@@ -103,6 +103,23 @@ class OrtEngine:
         return StepOutput(logits, hidden, new_kv)
 
 
+class OrtHeads:
+    """The Medusa heads graph: `hidden` (B, d) -> `medusa_logits` (B, K, V)."""
+
+    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or default_threads()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.session.run(None, {"hidden": hidden.detach().cpu().contiguous().numpy()})[0]
+        return torch.from_numpy(out).to(self.device)
+
+
 class TensorRTEngine:
     """TensorRT engines built from the same ONNX graphs, with the TreeAttention plugin. Not installable on the
     machines this project is tested on; kept thin and behind the OrtEngine interface."""

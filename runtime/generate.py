@@ -10,13 +10,14 @@ import torch
 
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy, measure
-from specrt.backends import OrtEngine, TensorRTEngine, pick_device
-from specrt.drafters import DraftModelDrafter, NgramDrafter, Proposal, chain_mask
+from specrt.backends import OrtEngine, OrtHeads, TensorRTEngine, pick_device
+from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
 from specrt.sampling import SamplingParams, probs, sample
+from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
-METHODS = ("autoregressive", "draft", "ngram")
+METHODS = ("autoregressive", "draft", "ngram", "medusa")
 MAX_GAMMA = 8
 
 
@@ -40,6 +41,7 @@ class _Run:
     max_len: int                    # the engines' max_seq_len
     cache_len: int = 0              # slots per row in this request's caches (<= max_len)
     cache: object = None            # the target's KVCache
+    hidden: torch.Tensor | None = None  # (B, d) target hidden state at each row's last accepted position
     active: list[bool] = field(default_factory=list)
     stop_reason: list[str | None] = field(default_factory=list)
     rounds: int = 0
@@ -55,9 +57,9 @@ class _Run:
 class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
-    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer):
+    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None):
         self.directory, self.manifest = directory, manifest
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
         self.engine_time = 0.0
         self._costs: Costs | None = None
 
@@ -72,11 +74,12 @@ class Generator:
         device = pick_device(device)
         engines = {}
         for role, spec in models.items():
-            if role not in ("target", "draft"):
-                continue
             if "engine" not in spec:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
             path = check_file(directory, spec["engine"], f"{role} engine")
+            if role == "medusa":
+                engines[role] = OrtHeads(path, spec, device=device, threads=threads)
+                continue
             backend = TensorRTEngine if spec["engine"]["backend"] == "tensorrt" else OrtEngine
             engines[role] = backend(path, spec, device=device, threads=threads)
         tokenizer = None
@@ -85,7 +88,7 @@ class Generator:
                 check_file(directory, entry, "tokenizer")
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer)
+        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"))
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -108,12 +111,18 @@ class Generator:
     def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, num_return_sequences: int = 1, method: str = "autoregressive",
-                 gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True) -> Generation:
+                 gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
+                 tree: bool = False, tree_choices: str | Path | Tree | None = None) -> Generation:
+        """`tree=True` makes the draft model propose a tree (top-k branching along its chain); `medusa`
+        always verifies a tree: `tree_choices` (a Tree or a JSON file of paths), else the engine set's
+        calibrated tree, else the built-in default."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         if method not in METHODS:
             raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
         if method == "draft" and self.draft is None:
             raise InputError(f"--method draft: {self.directory} has no draft model; export with --draft SOURCE")
+        if method == "medusa" and self.medusa is None:
+            raise InputError(f"--method medusa: {self.directory} has no Medusa heads; export with --medusa PATH")
         if gamma is not None and not 1 <= gamma <= 64:
             raise InputError(f"gamma {gamma}: must be between 1 and 64")
         if max_new_tokens < 1 or num_return_sequences < 1:
@@ -136,12 +145,12 @@ class Generator:
         tokens[:, :len(ids)] = torch.tensor(ids)
         run = _Run(tokens, torch.full((B,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
                    set(spec.get("eos_token_ids", [])), params, params.generator(), max_len,
-                   cache_len=min(max_len, len(ids) + max_new_tokens + (gamma or MAX_GAMMA) + 2),
                    active=[True] * B, stop_reason=[None] * B)
-        drafter = {"draft": lambda: DraftModelDrafter(self.draft, self._timed),
-                   "ngram": lambda: NgramDrafter(ngram_max, ngram_min)}.get(method, lambda: None)()
+        drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
+        width = drafter.tree.size if getattr(drafter, "tree", None) else (gamma or MAX_GAMMA) + 1
+        run.cache_len = min(max_len, len(ids) + max_new_tokens + width + 1)
         policy = None
-        if drafter is not None and gamma is None:
+        if drafter is not None and gamma is None and getattr(drafter, "tree", None) is None:
             policy = GammaPolicy(self.costs(), MAX_GAMMA)
 
         self.engine_time = 0.0
@@ -151,15 +160,43 @@ class Generator:
         if drafter is not None:
             drafter.start(run)
         while any(run.active):
-            g = (policy.choose() if policy else gamma) if drafter else 0
-            g = self._fit_gamma(run, g)
+            g = (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0
+            tree = getattr(drafter, "tree", None)
+            if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
+                g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
+            else:
+                g = self._fit_gamma(run, g)
             proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(B)
-            n, nxt = self._verify(run, proposal)
-            accepted, proposed = self._commit(run, proposal, n, nxt)
+            accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
             if policy:
                 policy.update(accepted, proposed)
         wall = time.perf_counter() - started
-        return self._result(run, method, wall, prefill_time, policy, gamma)
+        return self._result(run, method, wall, prefill_time, policy, gamma, getattr(drafter, "tree", None))
+
+    def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
+        if method == "autoregressive":
+            return None
+        if method == "ngram":
+            return NgramDrafter(ngram_max, ngram_min)
+        if method == "medusa":
+            return MedusaDrafter(self.medusa, self.tree_for("medusa", tree_choices))
+        if tree or tree_choices is not None:
+            return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
+        return DraftModelDrafter(self.draft, self._timed)
+
+    def tree_for(self, method: str, choices=None, depth: int | None = None) -> Tree:
+        """The tree a tree method verifies: given choices, else the engine set's calibrated one, else a default."""
+        if isinstance(choices, Tree):
+            return choices
+        if choices is not None:
+            return Tree.load(choices)
+        saved = self.manifest.get("trees", {}).get(method)
+        if saved is not None:
+            return Tree.load(check_file(self.directory, saved, f"{method} tree"))
+        if method == "medusa":
+            heads = self.medusa.num_heads
+            return Tree.from_paths(p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads)
+        return Tree.chain_with_siblings(depth or 4, 2)
 
     def _prefill(self, run: _Run) -> None:
         """The prompt runs once (one row); its cache is copied to the B rows, each samples its first token."""
@@ -169,40 +206,62 @@ class Generator:
         one.write(out.new_kv)
         one.past_len += m
         logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
+        run.hidden = out.hidden[:, -1].expand(B, -1).clone()                            # (B, d)
         first = logits.argmax(-1) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         run.cache = one
         if B > 1:
             run.cache = self.target.new_cache(B, run.cache_len)
             run.cache.broadcast_row(one)
-        self._commit(run, Proposal.empty(B), torch.zeros(B, dtype=torch.int64), first)
+        self._commit(run, Proposal.empty(B), torch.zeros(B, dtype=torch.int64), first,
+                     torch.zeros(B, 1, dtype=torch.int64))
+
+    def _room(self, run: _Run) -> int:
+        """Tokens that every live row can still add to its cache beyond the pending one."""
+        return min(run.max_len - int(run.lengths[b]) for b in range(run.batch) if run.active[b])
 
     def _fit_gamma(self, run: _Run, gamma: int) -> int:
         """No more drafts than the cache has room for, or than the longest-remaining row can still emit."""
-        live = [b for b in range(run.batch) if run.active[b]]
-        room = min(run.max_len - int(run.lengths[b]) for b in live)
-        left = max(run.max_new - (int(run.lengths[b]) - run.prompt_len) for b in live)
-        return max(0, min(gamma, room, left - 1))
+        left = max(run.max_new - (int(run.lengths[b]) - run.prompt_len) for b in range(run.batch) if run.active[b])
+        return max(0, min(gamma, self._room(run), left - 1))
 
     def _verify(self, run: _Run, proposal: Proposal):
-        """One target pass over [last token, drafts] per row; the new KV goes in at past_len = length − 1."""
+        """One target pass over [last token, proposal] per row (a chain or a tree), written into the cache at
+        past_len = length − 1. Returns accepted counts, next tokens and accepted paths (node ids, root first)."""
         B, g = proposal.tokens.shape
         cache = run.cache
         cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
         last = run.tokens.gather(1, (run.lengths - 1)[:, None])                         # (B, 1)
-        ids = torch.cat([last, proposal.tokens], 1)                                     # (B, γ+1)
-        pos = (cache.past_len[:, None] + torch.arange(g + 1)).contiguous()
-        out = self._timed(self.target, cache, ids, pos, chain_mask(B, g + 1), g + 1)
+        ids = torch.cat([last, proposal.tokens], 1)                                     # (B, S)
+        tree = proposal.tree
+        depth = tree.depth if tree is not None else torch.arange(g + 1)
+        mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1)
+        pos = (cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)
+        out = self._timed(self.target, cache, ids, pos, mask, g + 1)
         cache.write(out.new_kv)
-        if run.params.greedy:
-            return verification.greedy(out.logits, proposal.tokens, proposal.valid)
-        P = probs(out.logits, run.params)                                               # (B, γ+1, V)
-        return verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
+        if tree is not None:
+            rule = (lambda: verification.tree_greedy(out.logits, ids, tree)) if run.params.greedy else \
+                (lambda: verification.tree_sampled(probs(out.logits, run.params), ids, tree, run.generator))
+            n, nxt, path = rule()
+        else:
+            if run.params.greedy:
+                n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
+            else:
+                P = probs(out.logits, run.params)                                       # (B, γ+1, V)
+                n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
+            path = torch.arange(g + 1).expand(B, -1)
+        last_node = path.gather(1, n[:, None])[:, 0]
+        run.hidden = out.hidden[torch.arange(B), last_node]                             # (B, d) for Medusa
+        return n, nxt, path, ids
 
-    def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor) -> tuple[int, int]:
-        """Append accepted drafts and the next token to each live row; the one host read of the round."""
+    def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor, path: torch.Tensor,
+                ids: torch.Tensor | None = None) -> tuple[int, int]:
+        """Append accepted drafts and the next token to each live row, compacting a tree path's KV entries
+        into consecutive slots; the round's one host read."""
         n_host, nxt_host = n.tolist(), nxt.tolist()
-        drafts = proposal.tokens.tolist()
-        widths = proposal.valid.sum(1).tolist()
+        paths = path.tolist()
+        rows = ids.tolist() if ids is not None else None
+        tree = proposal.tree
+        widths = [tree.max_depth] * run.batch if tree is not None else proposal.valid.sum(1).tolist()
         accepted = proposed = 0
         for b in range(run.batch):
             if not run.active[b]:
@@ -214,7 +273,10 @@ class Generator:
                     run.per_position.append([0, 0])
                 run.per_position[i][0] += int(i < k)
                 run.per_position[i][1] += 1
-            self._append(run, b, drafts[b][:k] + [nxt_host[b]])
+            nodes = paths[b][:k + 1]
+            if tree is not None and nodes != list(range(k + 1)):
+                run.cache.compact(b, torch.tensor(nodes))
+            self._append(run, b, [rows[b][j] for j in nodes[1:]] + [nxt_host[b]])
         run.rounds += 1
         run.accepted += accepted
         run.proposed += proposed
@@ -233,7 +295,7 @@ class Generator:
                 break
         run.lengths[b] = length
 
-    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma) -> Generation:
+    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma, tree) -> Generation:
         new = [run.tokens[b, run.prompt_len:int(run.lengths[b])].tolist() for b in range(run.batch)]
         total = sum(map(len, new))
         rounds = run.rounds - 1  # the prefill emits the first token, it is not a speculation round
@@ -252,6 +314,9 @@ class Generator:
             "stop_reasons": run.stop_reason,
             "gamma": gamma if gamma is not None else (policy.chosen[-1] if policy and policy.chosen else None),
         }
+        if tree is not None:
+            stats.update(tree_size=tree.size - 1, tree_depth=tree.max_depth, gamma=tree.max_depth,
+                         mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
         if method == "draft" or policy is not None:

@@ -45,3 +45,65 @@ def sampled(P: torch.Tensor, Q: torch.Tensor | None, draft: torch.Tensor, valid:
     Q_n = Q_n * proposed[:, None]
     nxt = torch.multinomial(residual(P_n, Q_n), 1, generator=generator)[:, 0]
     return n, nxt
+
+
+# ---- trees -----------------------------------------------------------------------------------------------
+# tokens: (B, N+1) with the root (the last committed token) at node 0. Both functions return the number of
+# accepted nodes below the root (B,), the next token (B,), and the accepted root-to-node path (B, max_depth+1)
+# as node ids (root first; entries past the accepted length are padding).
+
+def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
+    """The deepest path on which every node is its parent's target argmax."""
+    best = target_logits.argmax(-1)                                    # (B, N+1)
+    parent = torch.tensor(tree.parent).clamp(min=0)
+    ok = tokens == best[:, parent]                                     # node i is its parent's argmax
+    ok[:, 0] = True
+    leaves = tree.leaves                                               # (L, D+1)
+    on_path = ok[:, leaves.clamp(min=0)] & (leaves >= 0)               # (B, L, D+1)
+    reach = on_path.int().cumprod(-1).sum(-1)                          # (B, L) nodes accepted, root included
+    leaf = reach.argmax(-1)                                            # (B,) the deepest
+    path = leaves[leaf]                                                # (B, D+1)
+    n = reach.gather(1, leaf[:, None])[:, 0] - 1
+    last = path.gather(1, n[:, None])[:, 0]
+    return n, best.gather(1, last[:, None])[:, 0], path
+
+
+def without(R: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The residual after a deterministic proposal x is rejected: (R − δx)+ renormalised, in the given rows."""
+    R = R.clone()
+    R[rows, x[rows]] = 0.0
+    R[rows] = R[rows] / R[rows].sum(-1, keepdim=True).clamp(min=1e-30)
+    return R
+
+
+def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.Generator):
+    """Recursive rejection over siblings (deterministic proposals, Q = δx): at each node try the children in
+    rank order, accepting child x with probability R(x) of the current residual R; a rejection removes x from
+    R and renormalises. When every child fails, the next token is sampled from what remains of R."""
+    B, D = P.shape[0], tree.max_depth
+    rows = torch.arange(B, device=P.device)
+    width = max(len(c) for c in tree.children)
+    table = torch.full((tree.size, width), -1, dtype=torch.int64)      # children in rank order, -1 padded
+    for i, ch in enumerate(tree.children):
+        table[i, :len(ch)] = torch.tensor(ch, dtype=torch.int64)
+    node = torch.zeros(B, dtype=torch.int64, device=P.device)
+    path = torch.zeros(B, D + 1, dtype=torch.int64, device=P.device)
+    n = torch.zeros(B, dtype=torch.int64, device=P.device)
+    R = P[:, 0].clone()                                                # residual at the current node
+    searching = torch.ones(B, dtype=torch.bool, device=P.device)
+    for d in range(D):
+        moved = torch.zeros(B, dtype=torch.bool, device=P.device)
+        for j in range(width):
+            child = table[node, j]                                     # (B,)
+            trying = searching & ~moved & (child >= 0)
+            x = tokens[rows, child.clamp(min=0)]
+            accept = trying & (torch.rand(B, generator=generator, device=P.device) < R[rows, x])
+            R = without(R, trying & ~accept, x)
+            node = torch.where(accept, child, node)
+            moved |= accept
+        searching &= moved
+        n += moved
+        path[:, d + 1] = node
+        R = torch.where(moved[:, None], P[rows, node], R)
+    nxt = torch.multinomial(R, 1, generator=generator)[:, 0]
+    return n, nxt, path

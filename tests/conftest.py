@@ -40,7 +40,8 @@ def tiny_model(arch: str, seed: int = 0, **kw):
     return model
 
 
-def export_tiny(tmp: Path, arch: str, seed: int = 0, draft=None, max_seq_len: int = 64, name="engines", **kw):
+def export_tiny(tmp: Path, arch: str, seed: int = 0, draft=None, max_seq_len: int = 64, name="engines",
+                medusa=None, **kw):
     """Save a tiny checkpoint (and optional draft checkpoint), export and build it; return (dir, hf_model)."""
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
@@ -53,7 +54,7 @@ def export_tiny(tmp: Path, arch: str, seed: int = 0, draft=None, max_seq_len: in
         draft.save_pretrained(draft_src)
     out = tmp / f"{name}-{arch}-{seed}"
     export_engines(str(src), out, draft=str(draft_src) if draft_src else None, max_seq_len=max_seq_len,
-                   log=lambda *_: None)
+                   log=lambda *_: None, medusa=str(medusa) if medusa else None)
     build(out, "onnxruntime", log=lambda *_: None)
     return out, model
 

@@ -1,0 +1,119 @@
+"""Choose a candidate tree automatically: per-depth, per-rank accuracy of the drafter measured on calibration
+prompts, then the tree that maximises expected tokens per round per unit of measured verification cost."""
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.adaptive import measure
+from specrt.drafters import chain_mask
+from specrt.manifest import file_entry, read_manifest, write_manifest
+from specrt.tree import Tree
+
+# project-written calibration prompts (never the benchmark set)
+CALIBRATION_PROMPTS = [
+    "Describe how a bicycle works, step by step.",
+    "Write a short email asking a colleague to review a document.",
+    "List five tips for learning a new language and explain each briefly.",
+    "Explain the difference between weather and climate to a child.",
+    "Write a Python function that returns the squares of a list of numbers.",
+    "Summarise the water cycle in a paragraph.",
+]
+
+
+def _hidden_and_truth(gen, ids: list[int], new_tokens: int):
+    """The target's greedy continuation and its hidden states / draft logits along it (teacher forcing)."""
+    out = gen.generate(prompt_ids=ids, max_new_tokens=new_tokens)
+    seq = ids + out.token_ids[0]
+    return seq, len(ids)
+
+
+def _full_pass(engine, seq):
+    cache = engine.new_cache(1, len(seq) + 1)
+    S = len(seq)
+    return engine.forward(torch.tensor([seq]), torch.arange(S)[None], cache.past_len, chain_mask(1, S), S, cache)
+
+
+def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width: int, new_tokens: int = 48):
+    """acc[d, r]: how often the rank-r candidate at depth d+1 is the target's (greedy) token there."""
+    hits = np.zeros((depth, width))
+    total = np.zeros(depth)
+    for ids in prompts:
+        seq, start = _hidden_and_truth(gen, ids, new_tokens)
+        truth = torch.tensor(seq)
+        if method == "medusa":
+            hidden = _full_pass(gen.target, seq).hidden[0]                                # (S, d)
+            top = torch.topk(gen.medusa.forward(hidden)[:, :depth], width, dim=-1).indices  # (S, D, k)
+            offset = 2                          # head i at position t predicts token t + i + 2
+        else:
+            logits = _full_pass(gen.draft, seq).logits[0]                                  # (S, V)
+            top = torch.topk(logits, width, dim=-1).indices[:, None].expand(-1, depth, -1)  # depth-independent
+            offset = 1                          # on an accepted path the draft sees the true prefix
+        for t in range(start - 1, len(seq) - 1):
+            for d in range(depth):
+                target = t + d + offset
+                if target < len(seq):
+                    total[d] += 1
+                    hits[d] += (top[t, d] == truth[target]).numpy()
+    return hits / np.maximum(total, 1)[:, None]
+
+
+def verify_costs(gen, sizes) -> dict[int, float]:
+    engine = gen.target
+    context = max(0, min(64, engine.spec["max_seq_len"] - max(sizes)))
+    cache = engine.new_cache(1, context + max(sizes))
+    cache.truncate(context)
+    out = {}
+    for k in sizes:
+        ids, pos = torch.zeros(1, k, dtype=torch.int64), (context + torch.arange(k))[None]
+        out[k] = measure(lambda: engine.forward(ids, pos, cache.past_len, chain_mask(1, k), k, cache), reps=2)
+    return out
+
+
+def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0) -> Tree:
+    """Grow the tree by the node most likely to be on the accepted path (product of accuracies along it);
+    keep the size whose (1 + expected accepted length) / (verification cost + fixed cost) is best."""
+    depth, width = acc.shape
+    heap = [(-acc[0, r], (r,)) for r in range(width)]
+    heapq.heapify(heap)
+    paths, expected, best = [], 0.0, (0.0, 1)
+    while heap and len(paths) < max_nodes:
+        neg, path = heapq.heappop(heap)
+        paths.append(path)
+        expected += -neg
+        score = (1 + expected) / (cost(len(paths) + 1) + fixed_cost)
+        if score > best[0]:
+            best = (score, len(paths))
+        if len(path) < depth and (not chain_only or path[-1] == 0):
+            for r in range(width):
+                heapq.heappush(heap, (neg * acc[len(path), r], path + (r,)))
+    return Tree.from_paths(paths[:best[1]])
+
+
+def calibrate(gen, method: str, prompts: list[list[int]], max_nodes: int = 48, width: int = 8,
+              depth: int | None = None, log=print) -> Tree:
+    depth = depth or (gen.medusa.num_heads if method == "medusa" else 6)
+    acc = rank_accuracy(gen, method, prompts, depth, width)
+    log("accuracy by depth (rows) and rank (columns):\n" + np.array2string(acc, precision=2))
+    sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
+    measured = verify_costs(gen, [s for s in sizes if s <= max_nodes + 1])
+    xs = sorted(measured)
+    cost = lambda n: float(np.interp(n, xs, [measured[x] for x in xs]))  # noqa: E731
+    fixed = depth * gen.costs().draft_step if method == "draft" else 0.0
+    tree = choose_tree(acc, cost, max_nodes, chain_only=(method == "draft"), fixed_cost=fixed)
+    log(f"chosen tree: {tree.size - 1} nodes, depth {tree.max_depth}")
+    return tree
+
+
+def save_tree(directory: Path, method: str, tree: Tree) -> Path:
+    """Write the tree beside the engines and record it (with its hash) in the manifest."""
+    directory = Path(directory)
+    name = f"tree_{method}.json"
+    tree.save(directory / name)
+    manifest = read_manifest(directory)
+    manifest.setdefault("trees", {})[method] = file_entry(directory, name)
+    write_manifest(directory, manifest)
+    return directory / name

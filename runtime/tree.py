@@ -1,0 +1,102 @@
+"""Candidate trees as data, built once from a list of paths (Medusa "choices").
+
+A path is a tuple of ranks, one per depth: (0,) is the top candidate at depth 1, (0, 2) the third candidate at
+depth 2 below it. Node 0 is the root (the last committed token); node i > 0 is paths[i - 1] after sorting.
+The token of a node is candidates[depth - 1][rank], so Medusa heads (one top-k list per depth) and a draft
+model (top-k at each step of its top-1 chain) fill the same tree.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specrt.errors import InputError
+
+
+@dataclass(frozen=True)
+class Tree:
+    paths: tuple[tuple[int, ...], ...]
+    parent: tuple[int, ...]          # parent node of each node (-1 for the root)
+    depth: torch.Tensor              # (N+1,) int64, root 0
+    rank: torch.Tensor               # (N+1,) int64, candidate rank at its depth (root 0)
+    mask: torch.Tensor               # (N+1, N+1) bool, ancestor-or-self
+    children: tuple[tuple[int, ...], ...]  # per node, children in rank order
+    leaves: torch.Tensor             # (L, max_depth+1) node ids of each root-to-leaf path, -1 padded
+
+    @property
+    def size(self) -> int:
+        return len(self.parent)      # nodes including the root
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max()) + 1
+
+    @classmethod
+    def from_paths(cls, paths) -> "Tree":
+        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise InputError(f"tree paths {paths[:4]}…: need non-empty paths of ranks >= 0")
+        index = {(): 0}
+        parent = [-1]
+        for i, p in enumerate(paths, 1):
+            if p[:-1] not in index:
+                raise InputError(f"tree path {list(p)} has no parent path {list(p[:-1])}: list every prefix")
+            index[p] = i
+            parent.append(index[p[:-1]])
+        n = len(parent)
+        depth = torch.tensor([0] + [len(p) for p in paths])
+        rank = torch.tensor([0] + [p[-1] for p in paths])
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            if parent[i] >= 0:
+                mask[i] |= mask[parent[i]]
+        children = tuple(tuple(sorted((j for j in range(n) if parent[j] == i), key=lambda j: int(rank[j])))
+                         for i in range(n))
+        leaf_ids = [i for i in range(n) if not children[i]]
+        leaves = torch.full((len(leaf_ids), int(depth.max()) + 1), -1, dtype=torch.int64)
+        for row, leaf in enumerate(leaf_ids):
+            chain = []
+            while leaf >= 0:
+                chain.append(leaf)
+                leaf = parent[leaf]
+            leaves[row, :len(chain)] = torch.tensor(chain[::-1])
+        return cls(tuple(paths), tuple(parent), depth, rank, mask, children, leaves)
+
+    @classmethod
+    def chain_with_siblings(cls, depth: int, width: int) -> "Tree":
+        """The tree a draft model proposes by top-k branching along its top-1 chain."""
+        return cls.from_paths((0,) * d + (r,) for d in range(depth) for r in range(width))
+
+    def node_tokens(self, candidates: torch.Tensor) -> torch.Tensor:
+        """candidates (B, max_depth, k) -> tokens of nodes 1..N (B, N)."""
+        d, r = self.depth[1:] - 1, self.rank[1:]
+        return candidates[:, d, r]
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"paths": [list(p) for p in self.paths]}) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tree":
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"tree choices {path}: cannot read ({e}); expected JSON like "
+                             '{"paths": [[0], [1], [0, 0]]} or a plain list of paths') from None
+        return cls.from_paths(doc["paths"] if isinstance(doc, dict) else doc)
+
+
+# A sparse default for Medusa-style heads: wide near the root, narrow deeper (27 nodes + root).
+DEFAULT_MEDUSA_PATHS = (
+    [(r,) for r in range(5)] + [(0, r) for r in range(4)] + [(1, r) for r in range(3)] + [(2, r) for r in range(2)]
+    + [(3, 0), (4, 0)] + [(0, 0, r) for r in range(3)] + [(0, 1, r) for r in range(2)] + [(1, 0, 0), (0, 0, 0, 0),
+                                                                                        (0, 0, 0, 1), (0, 0, 1, 0)]
+    + [(0, 0, 0, 0, 0)]
+)

@@ -1,0 +1,104 @@
+"""Tree speculation: the tree as data, Medusa heads and draft trees verified losslessly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import export_tiny, tiny_model
+from greedy_check import assert_same_or_tie
+from specrt import verification
+from specrt.calibrate import calibrate, save_tree
+from specrt.errors import InputError
+from specrt.export.medusa import MedusaHeads, save_heads
+from specrt.generate import Generator
+from specrt.sampling import SamplingParams
+from specrt.tree import Tree
+from test_speculative import N, P_MIN, V, chi_square_p, exact_joint
+
+# siblings at depths 1, 2 and 3
+PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
+
+
+@pytest.fixture(scope="module")
+def medusa_set(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("medusa")
+    target = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    torch.manual_seed(5)
+    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight)
+    save_heads(heads, tmp / "heads")
+    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
+    directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=48,
+                                   medusa=tmp / "heads")
+    return Generator.from_engines(directory), model
+
+
+def test_tree_from_paths():
+    tree = Tree.from_paths(PATHS)
+    assert tree.size == 9 and tree.max_depth == 3 and tree.max_rank == 3
+    assert tree.parent == (-1, 0, 0, 0, 1, 1, 2, 4, 4)
+    assert tree.mask[7].tolist() == [True, True, False, False, True, False, False, True, False]
+    assert tree.children[0] == (1, 2, 3)
+    with pytest.raises(InputError, match=r"no parent path \[1\]"):
+        Tree.from_paths([(0,), (1, 0)])
+
+
+def test_node_tokens_follow_depth_and_rank():
+    tree = Tree.from_paths(PATHS)
+    cand = torch.arange(3 * 3).view(1, 3, 3)  # depth d rank r -> 3d + r
+    assert tree.node_tokens(cand)[0].tolist() == [0, 1, 2, 3, 4, 3, 6, 7]
+
+
+@pytest.mark.parametrize("kw", [dict(method="medusa"), dict(method="medusa", tree_choices="FILE"),
+                                dict(method="draft", tree=True), dict(method="draft", tree=True, gamma=3)])
+def test_tree_greedy_equals_target_greedy(medusa_set, tmp_path, kw):
+    gen, model = medusa_set
+    if kw.get("tree_choices") == "FILE":
+        (tmp_path / "t.json").write_text(json.dumps([list(p) for p in PATHS]))
+        kw = dict(kw, tree_choices=tmp_path / "t.json")
+    for seed in range(3):
+        prompt = torch.randint(0, V, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, **kw)
+        assert out.stats["tree_size"] >= 1
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+
+
+def test_automatic_tree_is_saved_and_used(medusa_set):
+    gen, model = medusa_set
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9, 9, 2]]
+    for method in ("medusa", "draft"):
+        tree = calibrate(gen, method, prompts, max_nodes=16, width=3, log=lambda *_: None)
+        save_tree(gen.directory, method, tree)
+        fresh = Generator.from_engines(gen.directory)   # the manifest now lists the tree with its hash
+        assert fresh.tree_for(method).paths == tree.paths
+        ref = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24).token_ids[0]
+        out = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24, method=method, tree=True)
+        assert out.stats["tree_size"] == tree.size - 1
+        assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=6)],
+                         ids=["t1", "t0.7-topk"])
+def test_medusa_distribution_is_the_target_distribution(medusa_set, kw):
+    gen, model = medusa_set
+    prompt = [5, 1, 7]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa",
+                       tree_choices=Tree.from_paths(PATHS), seed=2024, **kw)
+    assert out.stats["acceptance_rate"] > 0.05  # siblings were accepted and rejected
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"medusa {kw}: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+def test_broken_sibling_rule_is_caught(medusa_set, monkeypatch):
+    """Power: not removing a rejected sibling from the residual must fail the same test."""
+    gen, model = medusa_set
+    monkeypatch.setattr(verification, "without", lambda R, rows, x: R)
+    prompt = [5, 1, 7]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa",
+                       tree_choices=Tree.from_paths(PATHS), seed=2024, temperature=1.0)
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"broken sibling rule: chi-square p = {p:.2e}")
+    assert p < P_MIN
