@@ -117,6 +117,34 @@ class Generator:
         always verifies a tree: `tree_choices` (a Tree or a JSON file of paths), else the engine set's
         calibrated tree, else the built-in default."""
         params = SamplingParams(temperature, top_k, top_p, seed)
+        self._check_request(method, gamma, max_new_tokens, num_return_sequences)
+        run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
+                            num_return_sequences)
+        drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
+        tree = getattr(drafter, "tree", None)
+        run.cache_len = min(run.max_len, run.prompt_len + max_new_tokens + 1 +
+                            (tree.size if tree is not None else (gamma or MAX_GAMMA) + 1))
+        policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and gamma is None and tree is None else None
+
+        self.engine_time = 0.0
+        started = time.perf_counter()
+        self._prefill(run)
+        prefill_time = time.perf_counter() - started
+        if drafter is not None:
+            drafter.start(run)
+        while any(run.active):
+            if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
+                g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
+            else:
+                g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
+            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch)
+            accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
+            if policy:
+                policy.update(accepted, proposed)
+        wall = time.perf_counter() - started
+        return self._result(run, method, wall, prefill_time, policy, gamma, tree)
+
+    def _check_request(self, method: str, gamma, max_new_tokens: int, num_return_sequences: int) -> None:
         if method not in METHODS:
             raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
         if method == "draft" and self.draft is None:
@@ -128,50 +156,28 @@ class Generator:
         if max_new_tokens < 1 or num_return_sequences < 1:
             raise InputError(f"max_new_tokens {max_new_tokens} and num_return_sequences {num_return_sequences} "
                              "must be at least 1")
+
+    def _prompt_ids(self, prompt: str | None, prompt_ids, chat: bool) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
             raise InputError("give exactly one of prompt (text) and prompt_ids (token ids)")
         ids = self.encode(prompt, chat) if prompt is not None else list(prompt_ids)
-        spec = self.target.spec
-        bad = [i for i in ids if not 0 <= i < spec["vocab_size"]]
+        vocab = self.target.spec["vocab_size"]
+        bad = [i for i in ids if not 0 <= i < vocab]
         if not ids or bad:
-            raise InputError(f"prompt ids {bad[:5] or ids}: need at least one id, each in [0, {spec['vocab_size']})")
+            raise InputError(f"prompt ids {bad[:5] or ids}: need at least one id, each in [0, {vocab})")
+        return ids
+
+    def _new_run(self, ids: list[int], params: SamplingParams, max_new_tokens: int, batch: int) -> _Run:
         max_len = min(s.spec["max_seq_len"] for s in (self.target, self.draft) if s is not None)
         if len(ids) >= max_len:
             raise InputError(f"prompt of {len(ids)} tokens does not fit the engine's maximum sequence length "
                              f"{max_len} (it needs room for one new token): shorten the prompt or re-export "
                              "with a larger --max-seq-len")
-        B = num_return_sequences
-        tokens = torch.zeros(B, max_len, dtype=torch.int64)
+        tokens = torch.zeros(batch, max_len, dtype=torch.int64)
         tokens[:, :len(ids)] = torch.tensor(ids)
-        run = _Run(tokens, torch.full((B,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
-                   set(spec.get("eos_token_ids", [])), params, params.generator(), max_len,
-                   active=[True] * B, stop_reason=[None] * B)
-        drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
-        width = drafter.tree.size if getattr(drafter, "tree", None) else (gamma or MAX_GAMMA) + 1
-        run.cache_len = min(max_len, len(ids) + max_new_tokens + width + 1)
-        policy = None
-        if drafter is not None and gamma is None and getattr(drafter, "tree", None) is None:
-            policy = GammaPolicy(self.costs(), MAX_GAMMA)
-
-        self.engine_time = 0.0
-        started = time.perf_counter()
-        self._prefill(run)
-        prefill_time = time.perf_counter() - started
-        if drafter is not None:
-            drafter.start(run)
-        while any(run.active):
-            g = (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0
-            tree = getattr(drafter, "tree", None)
-            if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
-                g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
-            else:
-                g = self._fit_gamma(run, g)
-            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(B)
-            accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
-            if policy:
-                policy.update(accepted, proposed)
-        wall = time.perf_counter() - started
-        return self._result(run, method, wall, prefill_time, policy, gamma, getattr(drafter, "tree", None))
+        return _Run(tokens, torch.full((batch,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
+                    set(self.target.spec.get("eos_token_ids", [])), params, params.generator(), max_len,
+                    active=[True] * batch, stop_reason=[None] * batch)
 
     def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
         if method == "autoregressive":
