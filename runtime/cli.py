@@ -130,10 +130,12 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram"]), default="draft", show_default=True)
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa"]), default="draft", show_default=True)
+@click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")
-@click.option("--samples", default=2000, show_default=True, help="Sequences drawn for the statistical test.")
+@click.option("--samples", default=2000, show_default=True,
+              help="Sequences drawn for the statistical test (0 skips it).")
 @click.option("--depth", default=3, show_default=True, help="Tokens per sampled sequence.")
 @click.option("--temperature", default=0.7, show_default=True)
 @click.option("--top-k", default=20, show_default=True)
@@ -141,7 +143,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
 @click.option("--gamma", default=2, show_default=True)
 @click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
 @click.option("--seed", default=0, show_default=True)
-def verify(engines, method, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
+def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
            alpha, seed):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed)."""
@@ -158,16 +160,23 @@ def verify(engines, method, num_prompts, max_new_tokens, samples, depth, tempera
         report = Report()
         click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {len(prompts)} prompts x "
                    f"{max_new_tokens} tokens")
-        report.greedy = check_greedy(gen, prompts, method, max_new_tokens, gamma=gamma)
+        kw = {"tree": True} if tree else {}
+        if method != "medusa":
+            kw["gamma"] = gamma
+        report.greedy = check_greedy(gen, prompts, method, max_new_tokens, **kw)
         for i, row in enumerate(report.greedy):
             detail = "identical" if row["identical"] else (
                 f"diverged at token {row.get('diverged_at')}, logit gap {row.get('logit_gap', float('nan')):.2e}"
                 f" ({'near tie' if row['ok'] else 'NOT a tie'})")
             click.echo(f"  prompt {i + 1}: {row['tokens']} tokens, {detail}")
         params = SamplingParams(temperature, top_k, top_p, seed)
+        if samples == 0:
+            click.echo("sampling: skipped (--samples 0)")
+            click.echo("PASS" if report.passed else "FAIL")
+            sys.exit(0 if report.passed else 1)
         click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k {top_k}, "
                    f"top-p {top_p}; chi-square of the next token at the most frequent prefixes")
-        report.tests = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, gamma=gamma)
+        report.tests = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, **kw)
         for t in report.tests:
             mark = "ok" if t["p_value"] > alpha else "FAIL"
             click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} bins, "

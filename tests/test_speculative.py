@@ -201,3 +201,14 @@ def test_greedy_rule():
     assert n.item() == 2 and nxt.item() == 1                   # all accepted, bonus argmax
     n, nxt = verification.greedy(logits, torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.bool))
     assert n.item() == 0 and nxt.item() == 1                   # first rejected, target's token
+
+
+def test_verify_command(pair):
+    import subprocess
+    import sys
+    gen, _ = pair
+    out = subprocess.run([sys.executable, "-m", "specrt.cli", "verify", str(gen.directory), "--method", "draft",
+                          "--prompts", "2", "--max-new-tokens", "12", "--samples", "1500", "--temperature", "1.0",
+                          "--top-k", "0"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "p = " in out.stdout and out.stdout.strip().endswith("PASS")
