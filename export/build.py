@@ -29,10 +29,10 @@ def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
     ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
-def build_tensorrt(graph: Path, engine: Path) -> None:  # pragma: no cover - needs TensorRT and a GPU
-    """Parse the graph with the TreeAttention plugin registered, profile S over 1..max verify width."""
+def build_tensorrt(graph: Path, engine: Path, max_len: int) -> None:  # pragma: no cover - needs TensorRT
+    """Parse the graph with the TreeAttention plugin registered (not verified: no TensorRT here)."""
     from specrt.plugins.tensorrt_plugin import build_engine
-    build_engine(graph, engine)
+    build_engine(graph, engine, max_len)
 
 
 def resolve_backend(requested: str) -> str:
@@ -54,15 +54,19 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print) -> dic
         log("TensorRT not installed: building ONNX Runtime engines")
     for role, spec in manifest["models"].items():
         graph = check_file(directory, spec["graph"], f"{role} graph")
-        suffix = ".plan" if backend == "tensorrt" else ".ort.onnx"
+        suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
         engine = directory / f"{role}{suffix}"
         partial = directory / f".{role}{suffix}.partial"
         try:
-            (build_tensorrt if backend == "tensorrt" else build_ort)(graph, partial)
+            if backend == "tensorrt" and role != "medusa":
+                build_tensorrt(graph, partial, spec["max_seq_len"])
+            else:
+                build_ort(graph, partial)
             os.replace(partial, engine)
         finally:
             partial.unlink(missing_ok=True)
-        spec["engine"] = {**file_entry(directory, engine.name), "backend": backend}
+        spec["engine"] = {**file_entry(directory, engine.name),
+                          "backend": "onnxruntime" if suffix == ".ort.onnx" else backend}
         log(f"built {role}: {engine}")
     manifest["backend"] = backend
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
