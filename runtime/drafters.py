@@ -5,6 +5,7 @@ deterministic (greedy drafting, n-gram lookup), and `valid` (B, γ) for rows tha
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,16 @@ class Proposal:
 
 
 def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
-    return torch.ones(size, size, dtype=torch.bool, device=device).tril().expand(batch, size, size).contiguous()
+    """Lower-triangular (B, S, S) mask; the small ones of the decode loop are built once per shape (read only:
+    they are bound as engine inputs)."""
+    if batch * size * size <= 1 << 16:
+        return _small_chain_mask(batch, size, device)
+    return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _small_chain_mask(batch: int, size: int, device) -> torch.Tensor:
+    return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
 
 
 class DraftModelDrafter:

@@ -116,6 +116,17 @@ class Generator:
         """`tree=True` makes the draft model propose a tree (top-k branching along its chain); `medusa`
         always verifies a tree: `tree_choices` (a Tree or a JSON file of paths), else the engine set's
         calibrated tree, else the built-in default."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the loop's tensors are small: a thread pool only adds latency
+        try:
+            return self._generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                  num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree,
+                                  tree_choices)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _generate(self, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, num_return_sequences,
+                  method, gamma, ngram_max, ngram_min, chat, tree, tree_choices) -> Generation:
         params = SamplingParams(temperature, top_k, top_p, seed)
         self._check_request(method, gamma, max_new_tokens, num_return_sequences)
         run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
