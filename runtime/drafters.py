@@ -32,14 +32,15 @@ class Proposal:
 def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
     """Lower-triangular (B, S, S) mask; the small ones of the decode loop are built once per shape (read only:
     they are bound as engine inputs)."""
-    if batch * size * size <= 1 << 16:
-        return _small_chain_mask(batch, size, device)
+    build = _cached_chain_mask if batch * size * size <= 1 << 16 else _chain_mask
+    return build(batch, size, device)
+
+
+def _chain_mask(batch: int, size: int, device) -> torch.Tensor:
     return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
 
 
-@functools.lru_cache(maxsize=256)
-def _small_chain_mask(batch: int, size: int, device) -> torch.Tensor:
-    return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
+_cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
 
 
 class DraftModelDrafter:
