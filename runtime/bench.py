@@ -122,11 +122,14 @@ def machine_info(threads: int) -> dict:
 
 
 # ---- one run of each system ---------------------------------------------------------------------------------
+TREE_METHODS = {"draft-tree": "draft"}   # bench names of tree variants -> generate(method=..., tree=True)
+
+
 def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: int, seed: int,
                gamma: int | None = None) -> dict:
     t = time.perf_counter()
     out = gen.generate(prompt_ids=ids, max_new_tokens=max_new, temperature=temperature, seed=seed,
-                       method=method, gamma=gamma)
+                       method=TREE_METHODS.get(method, method), gamma=gamma, tree=method in TREE_METHODS)
     wall = time.perf_counter() - t
     s = out.stats
     return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
@@ -134,7 +137,7 @@ def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: in
             "rounds": s["rounds"], "alpha": s["acceptance_rate"],
             "mean_tokens_per_round": s["mean_tokens_per_round"],
             "acceptance_per_position": s["acceptance_per_position"], "gamma": s["gamma"],
-            "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"]}
+            "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"], "tree_size": s.get("tree_size")}
 
 
 PEERS = {  # name -> extra generate() keyword arguments (assistant filled in at run time)
@@ -210,7 +213,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
     for p in s.peers:
         run_peer(s.target, s.ids[0], p, 0.0, 4, cfg.seed, s.eos, s.assistant)
 
-    sweep_methods = [m for m in s.methods if m != "autoregressive"]
+    sweep_methods = [m for m in s.methods if m in ("draft", "ngram")]  # the methods γ applies to
     sweep_n = min(cfg.sweep_prompts, len(s.ids)) if cfg.gamma_sweep and sweep_methods else 0
     total = len(s.ids) * len(cfg.temperatures) * (len(s.methods) + len(s.peers)) \
         + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep))
@@ -241,10 +244,13 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
 def _runnable(gen, method: str, notes: list[str]) -> bool:
     from specrt.generate import METHODS
-    if method not in METHODS:
-        raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS)}")
-    if method == "draft" and gen.draft is None:
-        notes.append(f"draft skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
+    if method not in METHODS and method not in TREE_METHODS:
+        raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
+    if TREE_METHODS.get(method, method) == "draft" and gen.draft is None:
+        notes.append(f"{method} skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
+        return False
+    if method == "medusa" and gen.medusa is None:
+        notes.append(f"medusa skipped: {gen.directory} has no Medusa heads (export with --medusa PATH)")
         return False
     return True
 

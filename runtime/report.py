@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specrt.adaptive import Costs, expected_tokens
 
-COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round"]
+COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree"]
 
 
 def _mean(xs):
@@ -36,13 +36,15 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
         alpha = _mean([r.get("alpha") for r in rs])
         gamma = _mean([r.get("gamma_mean") or r.get("gamma") for r in rs])
         speculative = system == "specrt" and method != "autoregressive"
+        chain = method in ("draft", "ngram")   # the formula's model: a chain of γ drafts
         rows.append({
             "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
             "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
-            "c": (costs.c if method == "draft" else 0.0) if speculative else None,
+            "c": (costs.c if method.startswith("draft") else 0.0) if speculative else None,
             "gamma_mean": gamma,
             "predicted_speedup": costs.predicted_speedup(alpha, max(1, round(gamma)))
-            if speculative and alpha is not None and gamma else None,
+            if chain and speculative and alpha is not None and gamma else None,
+            "tree_size": _mean([r.get("tree_size") for r in rs]),
             "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
             "acceptance_per_position": _mean_positions([r.get("acceptance_per_position") or [] for r in rs]),
         })
@@ -96,7 +98,7 @@ def table_rows(summary: list[dict]) -> list[list[str]]:
                                           and r["method"] != "autoregressive", r["method"]))
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
              _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
-             _f(r["mean_tokens_per_round"])] for r in rows]
+             _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f")] for r in rows]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -128,8 +130,9 @@ def report_markdown(results: dict) -> str:
         markdown_table(COLUMNS, table_rows(results["summary"])), "",
         "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
         "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
-        "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times. Tokens/round counts "
-        "the target's own token. transformers rows: `generate` (greedy or sampling, top-k/top-p off), assisted "
+        "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "
+        "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
+        "(medusa, draft-tree; α there is accepted length / tree depth). transformers rows: `generate` (greedy or sampling, top-k/top-p off), assisted "
         f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
         "## Memory-bandwidth floor", "",
         f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
