@@ -5,7 +5,8 @@ Prompts come from two places, each row records which:
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
 The MT-Bench prompts are the benchmark set and are never used here.
 
-Each prompt is answered greedily once and sampled `samples` times (temperature 0.7) in one batched call.
+Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7) in one
+batched call.
 Output: JSON lines {prompt_id, source, prompt, mode, temperature, seed, ids, prompt_len}; rerunning the command
 skips the prompts already in the file, so an interrupted run resumes. `--human` adds, without generating, the
 seed tasks' own human-written answers in the chat format (mode "human"): off-policy text on which the target's
@@ -125,7 +126,7 @@ def all_prompts(num_template: int, seed: int) -> list[dict]:
 
 
 def generate(engines: str, out: Path, max_new_tokens: int, samples: int, temperature: float,
-             max_minutes: float, num_template: int, seed: int) -> None:
+             max_minutes: float, num_template: int, seed: int, greedy: bool = True) -> None:
     from rich.progress import Progress
 
     from specrt import Generator
@@ -145,7 +146,7 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
                 bar.console.print(f"time budget reached after {i} prompts")
                 break
             ids = gen.encode(p["prompt"])
-            runs = [("greedy", 0.0, 1, None)]
+            runs = [("greedy", 0.0, 1, None)] if greedy else []
             if samples:
                 runs.append(("sampled", temperature, samples, seed + i))
             rows = []
@@ -191,6 +192,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-minutes", type=float, default=22.0)
     ap.add_argument("--num-template", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
+                    help="also answer each prompt greedily (one row, B=1: slow on a CPU; the sampled rows share "
+                         "one batched call, so --samples 16 costs little more than one answer)")
     ap.add_argument("--human", action="store_true", help="append the seed tasks' human answers, then stop")
     a = ap.parse_args(argv)
     if a.human:
@@ -200,7 +204,8 @@ def main(argv=None) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"appended {len(rows)} human-answer rows to {a.out}")
         return
-    generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed)
+    generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
+             a.greedy)
 
 
 if __name__ == "__main__":

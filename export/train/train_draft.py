@@ -3,8 +3,9 @@
 The draft is a transformers LlamaForCausalLM over the target's tokenizer (so it also serves as a transformers
 `assistant_model`): the target's embeddings (tied with its output head), a few of the target's layers and its
 final norm. Only the layers and the norm train; the embeddings stay the target's. The draft's engine keeps a
-reduced output vocabulary: the K ids most frequent in the distilled data, topped up with the lowest ids (the
-earliest BPE merges, the most frequent in general), written to `specrt_vocab.json`.
+reduced output vocabulary: the K ids most frequent in the distilled data and among the teacher's top-4
+predictions at every scored position, topped up with the lowest ids (the earliest BPE merges), written to
+`specrt_vocab.json`.
 
 Three steps, each resumable (rerun the same command):
   score   the target engine scores every distilled sequence once; its top-k logits per position are the soft
@@ -33,11 +34,12 @@ import torch.nn.functional as F
 
 @dataclass
 class TrainConfig:
-    data: str = "build/distill/data.jsonl"
+    data: str = "build/distill/data.jsonl"   # one or more JSON-lines files, comma-separated (rows in order)
     engines: str = "engines/default"
     work: str = "build/draft-train"
     out: str = "export/drafters/smollm2-135m-draft"
     layers: tuple[int, ...] = (0, 1)      # target layers the draft starts from, in order
+    init: str = ""                        # or a draft checkpoint directory to continue from
     kept_vocab: int = 8192
     topk: int = 16                        # teacher logits kept per position
     score_minutes: float = 10.0
@@ -53,8 +55,9 @@ class TrainConfig:
     threads: int = 2
 
 
-def load_rows(path: str) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def load_rows(paths: str) -> list[dict]:
+    return [json.loads(line) for path in paths.split(",") for line in Path(path).read_text().splitlines()
+            if line.strip()]
 
 
 def is_val(prompt_id: str) -> bool:
@@ -62,9 +65,13 @@ def is_val(prompt_id: str) -> bool:
     return zlib.crc32(prompt_id.encode()) % 16 == 0
 
 
-def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int]) -> list[int]:
-    """The k ids most frequent in the data (answers and prompts), topped up with the lowest ids."""
+def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int],
+                 predicted: list[torch.Tensor] = ()) -> list[int]:
+    """The k ids most frequent in the data (answers and prompts) and in `predicted` (teacher top ids), topped up
+    with the lowest ids."""
     counts = Counter(t for r in rows for t in r["ids"])
+    for ids in predicted:
+        counts.update(ids.flatten().tolist())
     kept = set(always)
     for t, _ in counts.most_common():
         if len(kept) >= k:
@@ -226,12 +233,17 @@ def train(cfg: TrainConfig) -> None:
             raise SystemExit(f"{work / 'teacher.pt'} does not match {cfg.data} (row {i}); delete it to rescore")
     target = load_source("smollm2-135m")
     eos = target.eos_token_ids
-    kept_ids = choose_vocab([r for r in rows if not is_val(r["prompt_id"])], target.model.config.vocab_size,
-                            cfg.kept_vocab, eos)
+    train_rows = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
+    kept_ids = choose_vocab([rows[i] for i in train_rows], target.model.config.vocab_size, cfg.kept_vocab, eos,
+                            [teacher[i][1][:, :4] for i in train_rows if i in teacher])
     kept = torch.tensor(kept_ids)
     remap = torch.full((target.model.config.vocab_size,), -1, dtype=torch.long)
     remap[kept] = torch.arange(len(kept))
-    model = init_draft(target.model, cfg.layers)
+    if cfg.init:
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
+    else:
+        model = init_draft(target.model, cfg.layers)
     del target
     model.model.embed_tokens.weight.requires_grad_(False)   # tied with lm_head: the target's, frozen
     params = [p for p in model.parameters() if p.requires_grad]
@@ -256,7 +268,7 @@ def train(cfg: TrainConfig) -> None:
     else:
         first = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
         state["history"].append({"step": 0, **first})
-        print(f"step 0 (target layers {cfg.layers}): val agreement {first['agreement']:.3f} loss {first['loss']:.3f}")
+        print(f"step 0 ({cfg.init or f'target layers {cfg.layers}'}): val agreement {first['agreement']:.3f} loss {first['loss']:.3f}")
 
     def save():
         trainable = {k: v for k, v in model.state_dict().items() if not k.startswith(("model.embed", "lm_head"))}
@@ -294,10 +306,10 @@ def train(cfg: TrainConfig) -> None:
             if state["step"] % cfg.save_every == 0:
                 save()
     save()
-    if state["step"] < cfg.steps:
-        raise SystemExit(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun to resume")
+    if state["step"] < cfg.steps:  # the draft so far is still written; rerunning resumes the schedule
+        print(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
     save_draft(model, kept_ids, Path(cfg.out), {"config": asdict(cfg), "history": state["history"],
-                                                "wall_s": state["wall_s"], "rows": len(rows),
+                                                "wall_s": state["wall_s"], "steps_done": state["step"], "rows": len(rows),
                                                 "train_rows": len(train_ids), "val_rows": len(val_ids)})
 
 

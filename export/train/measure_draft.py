@@ -1,0 +1,83 @@
+"""Measure a target + draft engine set on the MT-Bench prompts: greedy acceptance α at a fixed γ, acceptance per
+draft position, the cost ratio c, and the speedup of `draft` over `autoregressive` at each temperature.
+Runs are interleaved prompt by prompt (plain, then speculative, same prompt and seed) so that a shared machine
+slows both alike.
+
+    python -m specrt.export.train.measure_draft engines/pair --num-prompts 10 --max-new-tokens 64 --gamma 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import resources
+from pathlib import Path
+
+
+def mt_bench(n: int) -> list[str]:
+    rows = resources.files("specrt").joinpath("data/mt_bench.jsonl").read_text().splitlines()
+    return [json.loads(r)["turns"][0] for r in rows[:n]]
+
+
+def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, temperatures: list[float],
+            seed: int = 0) -> dict:
+    from rich.progress import track
+
+    from specrt import Generator
+
+    gen = Generator.from_engines(engines)
+    costs = gen.costs()
+    out = {"engines": engines, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "gamma": gamma,
+           "draft_step_ms": 1e3 * costs.draft_step, "target_step_ms": 1e3 * costs.verify[1],
+           "verify_ms": {k: 1e3 * v for k, v in costs.verify.items()}, "c": costs.c, "by_temperature": {}}
+    prompts = mt_bench(num_prompts)
+    for temp in temperatures:
+        acc = prop = 0
+        per_pos = [[0, 0] for _ in range(gamma)]
+        time_plain = time_spec = tokens_plain = tokens_spec = 0.0
+        same = 0
+        for i, text in enumerate(track(prompts, description=f"T={temp}")):
+            kw = dict(prompt=text, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + i)
+            plain = gen.generate(method="autoregressive", **kw)
+            spec = gen.generate(method="draft", gamma=gamma, **kw)
+            same += plain.token_ids == spec.token_ids
+            time_plain += plain.stats["tokens"] / plain.stats["tokens_per_s"]
+            time_spec += spec.stats["tokens"] / spec.stats["tokens_per_s"]
+            tokens_plain += plain.stats["tokens"]
+            tokens_spec += spec.stats["tokens"]
+            rounds = spec.stats["rounds"]
+            a = spec.stats["acceptance_rate"] or 0.0
+            n_prop = rounds * gamma if rounds else 0
+            for j, rate in enumerate(spec.stats["acceptance_per_position"][:gamma]):
+                per_pos[j][0] += rate * rounds
+                per_pos[j][1] += rounds
+            acc, prop = acc + a * n_prop, prop + n_prop
+        alpha = acc / prop if prop else None
+        tps_plain, tps_spec = tokens_plain / time_plain, tokens_spec / time_spec
+        out["by_temperature"][str(temp)] = {
+            "alpha": alpha, "acceptance_per_position": [a / p if p else None for a, p in per_pos],
+            "tokens_per_s_autoregressive": tps_plain, "tokens_per_s_draft": tps_spec,
+            "speedup": tps_spec / tps_plain,
+            "predicted_speedup": costs.predicted_speedup(alpha, gamma) if alpha is not None else None,
+            "identical_outputs": same,
+        }
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("engines")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    res = measure(a.engines, a.num_prompts, a.max_new_tokens, a.gamma, [float(t) for t in a.temperatures.split(",")])
+    text = json.dumps(res, indent=1)
+    if a.out:
+        a.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
