@@ -34,7 +34,8 @@ def export_graph(model: SpecModel, path: Path) -> None:
     B, S = 1, 3
     caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * a.num_layers)]
     args = (torch.zeros(B, S, dtype=torch.int64), torch.arange(S)[None].expand(B, S).contiguous(),
-            torch.zeros(B, dtype=torch.int64), torch.ones(S, S, dtype=torch.bool).tril()[None].expand(B, S, S).contiguous(),
+            torch.zeros(B, dtype=torch.int64),
+            torch.ones(S, S, dtype=torch.bool).tril()[None].expand(B, S, S).contiguous(),
             torch.tensor([S], dtype=torch.int64), *caches)
     cache_in, cache_out = cache_names(a.num_layers)
     inputs = ["input_ids", "position_ids", "past_len", "tree_mask", "num_logits", *cache_in]

@@ -16,8 +16,8 @@ def _mean(xs):
 
 
 def _mean_positions(lists):
-    width = max((len(l) for l in lists), default=0)
-    return [_mean([l[i] for l in lists if len(l) > i]) for i in range(width)]
+    width = max((len(xs) for xs in lists), default=0)
+    return [_mean([xs[i] for xs in lists if len(xs) > i]) for i in range(width)]
 
 
 def _costs(info: dict) -> Costs:
@@ -132,7 +132,8 @@ def report_markdown(results: dict) -> str:
         "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
         "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "
         "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
-        "(medusa, draft-tree; α there is accepted length / tree depth). transformers rows: `generate` (greedy or sampling, top-k/top-p off), assisted "
+        "(medusa, draft-tree; α there is accepted length / tree depth). transformers rows: `generate` (greedy or "
+        "sampling, top-k/top-p off), assisted "
         f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
         "## Memory-bandwidth floor", "",
         f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
@@ -140,7 +141,7 @@ def report_markdown(results: dict) -> str:
         f"**{ms(fl['floor_step_s'])} ms** per decode step "
         f"({_f(1 / fl['floor_step_s'], '.1f')} tokens/s). specrt autoregressive: {ms(fl['autoregressive_step_s'])} "
         f"ms per step, **{_f(fl['ratio'])}×** the floor.", "",
-        f"Target pass times (ms) over k tokens: "
+        "Target pass times (ms) over k tokens: "
         + ", ".join(f"k={k}: {ms(t)}" for k, t in info["costs"]["verify_s"].items())
         + f"; draft step {ms(info['costs']['draft_step_s'])} ms.", "",
     ]
@@ -181,7 +182,8 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     labels = [f"{r['system']} {r['method']} T={r['temperature']:g}" for r in rows]
     colors = ["tab:blue" if r["system"] == "specrt" else "tab:gray" for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows], color=colors)
-    ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--", label="bandwidth limit, 1 token per step")
+    ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--",
+               label="bandwidth limit, 1 token per step")
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s")
     ax.legend(loc="lower right")

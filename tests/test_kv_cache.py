@@ -54,10 +54,10 @@ def test_write_compact_truncate_continue(tiny_engines):
     y = 5
     got = step(engine, cache, y)
     assert (got - fresh_last_logits(engine, prompt + [y])).abs().max() < TOL
-    ptr = cache.data.data_ptr()
     for tok in (1, 2, 3):
         step(engine, cache, tok)
-    assert cache.data.data_ptr() == ptr and int(cache.past_len[0]) == len(prompt) + 4
+    # one buffer throughout: written, compacted and truncated in place, never reallocated
+    assert cache.data.data_ptr() == data_ptr and int(cache.past_len[0]) == len(prompt) + 4
 
 
 def test_batched_rows_write_at_their_own_past_len(tiny_engines):

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from conftest import REPO, tiny_model
 from greedy_check import TIE_GAP, first_divergence
 
 DRAFT_DIR = REPO / "export" / "drafters" / "smollm2-135m-draft"
-PAIR = REPO / "engines" / "pair"
 DEV_PROMPTS = [  # written for this test; not MT-Bench, not training prompts
     "Describe how a refrigerator keeps food cold.",
     "Give me four ideas for a rainy weekend at home.",
@@ -69,28 +67,14 @@ def test_unknown_vocab_file_is_refused(tmp_path):
         read_vocab_subset(tmp_path, 64)
 
 
-def _pair_is_current() -> bool:
-    """engines/pair exists and was exported from the draft checkpoint as it is now."""
-    manifest = PAIR / "manifest.json"
-    if not manifest.is_file() or not (DRAFT_DIR / "model.safetensors").is_file():
-        return False
-    spec = json.loads(manifest.read_text())["models"].get("draft", {})
-    return (spec.get("source") == "smollm2-135m-draft" and "engine" in spec
-            and manifest.stat().st_mtime > (DRAFT_DIR / "model.safetensors").stat().st_mtime)
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    if not (DRAFT_DIR / "config.json").is_file():
-        pytest.fail(f"{DRAFT_DIR} is missing: it is committed with the repository (make train-draft rebuilds it)")
-    if _pair_is_current():
-        return PAIR
-    from specrt.export.build import build
-    from specrt.export.pipeline import export_engines
-    out = tmp_path_factory.mktemp("pair") / "pair"
-    export_engines("smollm2-135m", out, draft="smollm2-135m-draft", max_seq_len=512, log=lambda *_: None)
-    build(out, "onnxruntime", log=lambda *_: None)
-    return out
+def pair(default_engines):
+    """`make engines` exports the default target with the shipped draft."""
+    manifest = json.loads((default_engines / "manifest.json").read_text())
+    source = manifest["models"].get("draft", {}).get("source")
+    if source != "smollm2-135m-draft":
+        pytest.fail(f"{default_engines} has draft {source!r}, not smollm2-135m-draft: run `make engines`")
+    return default_engines
 
 
 @pytest.mark.slow
