@@ -59,6 +59,7 @@ train-draft: train-data
 	$(TRAIN).train_draft --engines $(ENGINES) --data $(DISTILL)/data.jsonl --work build/draft-train \
 	    --out build/draft-run1 --layers 0,1 --kept-vocab 8192 --steps 120 --eval-every 20 --save-every 10 \
 	    --lr 5e-4 --batch-tokens 4096 --max-minutes 38 --score-minutes 10
+	mkdir -p build/draft-train2 && (test -f build/draft-train2/teacher.pt || cp build/draft-train/teacher.pt build/draft-train2/)
 	$(TRAIN).train_draft --engines $(ENGINES) --data $(DISTILL)/data.jsonl,$(DISTILL)/data2.jsonl \
 	    --init build/draft-run1 --work build/draft-train2 --out export/drafters/smollm2-135m-draft \
 	    --kept-vocab 12288 --steps 170 --eval-every 20 --save-every 10 --lr 5e-4 --warmup 5 \
