@@ -137,7 +137,7 @@ def report_markdown(results: dict) -> str:
         f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
         "## Memory-bandwidth floor", "",
         f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
-        f"{fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (numpy reduction, best of 5) = floor "
+        f"{fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (multi-threaded torch reduction, best of 5) = floor "
         f"**{ms(fl['floor_step_s'])} ms** per decode step "
         f"({_f(1 / fl['floor_step_s'], '.1f')} tokens/s). specrt autoregressive: {ms(fl['autoregressive_step_s'])} "
         f"ms per step, **{_f(fl['ratio'])}×** the floor.", "",
