@@ -102,6 +102,25 @@ class OrtEngine:
         self.session.run_with_iobinding(self.binding)
         return StepOutput(logits, hidden, new_kv)
 
+    def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
+        """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""
+        from specrt.drafters import chain_mask
+        cache = self.new_cache(1, len(ids) + 1)
+        S = len(ids)
+        return self.forward(torch.tensor([ids]), torch.arange(S)[None], cache.past_len, chain_mask(1, S),
+                            num_logits, cache)
+
+    def time_pass(self, context: int, k: int, reps: int = 3) -> float:
+        """Best-of-`reps` seconds of one pass over k tokens after `context` cached positions."""
+        from specrt.adaptive import measure
+        from specrt.drafters import chain_mask
+        cache = self.new_cache(1, context + k)
+        cache.truncate(max(context, 0))
+        ids = torch.zeros(1, k, dtype=torch.int64)
+        pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()
+        mask = chain_mask(1, k)
+        return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache), reps)
+
 
 class OrtHeads:
     """The Medusa heads graph: `hidden` (B, d) -> `medusa_logits` (B, K, V)."""

@@ -8,8 +8,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.adaptive import measure
-from specrt.drafters import chain_mask
 from specrt.manifest import file_entry, read_manifest, write_manifest
 from specrt.tree import Tree
 
@@ -31,12 +29,6 @@ def _hidden_and_truth(gen, ids: list[int], new_tokens: int):
     return seq, len(ids)
 
 
-def _full_pass(engine, seq):
-    cache = engine.new_cache(1, len(seq) + 1)
-    S = len(seq)
-    return engine.forward(torch.tensor([seq]), torch.arange(S)[None], cache.past_len, chain_mask(1, S), S, cache)
-
-
 def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width: int, new_tokens: int = 48):
     """acc[d, r]: how often the rank-r candidate at depth d+1 is the target's (greedy) token there."""
     hits = np.zeros((depth, width))
@@ -45,11 +37,11 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
         seq, start = _hidden_and_truth(gen, ids, new_tokens)
         truth = torch.tensor(seq)
         if method == "medusa":
-            hidden = _full_pass(gen.target, seq).hidden[0]                                # (S, d)
+            hidden = gen.target.run_sequence(seq, len(seq)).hidden[0]                                # (S, d)
             top = torch.topk(gen.medusa.forward(hidden)[:, :depth], width, dim=-1).indices  # (S, D, k)
             offset = 2                          # head i at position t predicts token t + i + 2
         else:
-            logits = _full_pass(gen.draft, seq).logits[0]                                  # (S, V)
+            logits = gen.draft.run_sequence(seq, len(seq)).logits[0]                                  # (S, V)
             top = torch.topk(logits, width, dim=-1).indices[:, None].expand(-1, depth, -1)  # depth-independent
             offset = 1                          # on an accepted path the draft sees the true prefix
         for t in range(start - 1, len(seq) - 1):
@@ -62,15 +54,8 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
 
 
 def verify_costs(gen, sizes) -> dict[int, float]:
-    engine = gen.target
-    context = max(0, min(64, engine.spec["max_seq_len"] - max(sizes)))
-    cache = engine.new_cache(1, context + max(sizes))
-    cache.truncate(context)
-    out = {}
-    for k in sizes:
-        ids, pos = torch.zeros(1, k, dtype=torch.int64), (context + torch.arange(k))[None]
-        out[k] = measure(lambda: engine.forward(ids, pos, cache.past_len, chain_mask(1, k), k, cache), reps=2)
-    return out
+    context = max(0, min(64, gen.target.spec["max_seq_len"] - max(sizes)))
+    return {k: gen.target.time_pass(context, k, reps=2) for k in sizes}
 
 
 def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0) -> Tree:

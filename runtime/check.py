@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from specrt.drafters import chain_mask
 from specrt.sampling import SamplingParams, probs
 
 TIE_GAP = 1e-3
@@ -32,10 +31,7 @@ class Report:
 
 def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
     """The target's logits after `ids`, from a fresh one-row pass of its engine."""
-    cache = gen.target.new_cache(1, len(ids) + 1)
-    out = gen.target.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache.past_len,
-                             chain_mask(1, len(ids)), 1, cache)
-    return out.logits[0, -1].clone()
+    return gen.target.run_sequence(ids).logits[0, -1].clone()
 
 
 def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int, **kw) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specrt import verification
-from specrt.adaptive import Costs, GammaPolicy, measure
+from specrt.adaptive import Costs, GammaPolicy
 from specrt.backends import OrtEngine, OrtHeads, TensorRTEngine, pick_device
 from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
 from specrt.errors import InputError, ManifestError
@@ -353,16 +353,8 @@ class Generator:
         if self._costs is None:
             saved = self.engine_time
             context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
-            verify = {k: self._time_pass(self.target, context, k) for k in range(1, MAX_GAMMA + 2)}
-            draft = self._time_pass(self.draft, context, 1) if self.draft is not None else 0.0
+            verify = {k: self.target.time_pass(context, k) for k in range(1, MAX_GAMMA + 2)}
+            draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
             self._costs = Costs(draft, verify)
             self.engine_time = saved
         return self._costs
-
-    def _time_pass(self, engine, context: int, k: int) -> float:
-        cache = engine.new_cache(1, context + MAX_GAMMA + 2)
-        cache.truncate(max(context, 0))
-        ids = torch.zeros(1, k, dtype=torch.int64)
-        pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()
-        mask = chain_mask(1, k)
-        return measure(lambda: engine.forward(ids, pos, cache.past_len, mask, k, cache))

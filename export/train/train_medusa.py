@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from specrt.drafters import chain_mask
 from specrt.export.medusa import MedusaHeads, save_heads
 
 
@@ -50,9 +49,7 @@ def features(cfg: MedusaConfig, gen) -> dict:
         for i, row in enumerate(rows):
             ids, start = row["ids"], row["prompt_len"]
             S = len(ids)
-            cache = gen.target.new_cache(1, S)
-            out = gen.target.forward(torch.tensor([ids]), torch.arange(S)[None], cache.past_len, chain_mask(1, S),
-                                     1, cache)
+            out = gen.target.run_sequence(ids)
             h = out.hidden[0, start - 1:S - 1].clone()                                # (T_i, d)
             t = torch.arange(start - 1, S - 1)
             lab = torch.full((len(t), cfg.heads), -100, dtype=torch.int64)
