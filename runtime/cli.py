@@ -51,11 +51,15 @@ def export(target, draft, medusa, out, max_seq_len, force):
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
               show_default=True, help="auto: TensorRT where installed, ONNX Runtime otherwise.")
-def build(engines, backend):
+@click.option("--drafter-weights", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
+              help="Weights of the draft model's and Medusa heads' ONNX Runtime engines. int8 reads a quarter of "
+                   "the bytes per draft step; outputs do not change, since the float32 target verifies every "
+                   "token.")
+def build(engines, backend, drafter_weights):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
-        do_build(engines, backend, log=_log)
+        do_build(engines, backend, log=_log, drafter_weights=drafter_weights)
     except SpecrtError as e:
         _fail(e)
 

@@ -188,8 +188,13 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
             stale.unlink()
     done = {(r["prompt_id"], r["mode"]) for r in map(json.loads, lines)}
     prompts = all_prompts(num_template, seed)
+    encoded = {p["prompt_id"]: _ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
+                                                              add_generation_prompt=True, tokenize=True))
+               for p in prompts}
+    # prompts of similar length share a call (little padding); short ones first, so a cut run has the most rows
     jobs = [(mode, p) for mode in (["greedy"] if greedy else []) + (["sampled"] if samples else [])
-            for p in prompts if (p["prompt_id"], mode) not in done]
+            for p in sorted(prompts, key=lambda p: len(encoded[p["prompt_id"]]))
+            if (p["prompt_id"], mode) not in done]
     deadline = time.time() + 60 * max_minutes
     tokens, row = 0, len(lines)
     with out.open("a") as f, Progress() as bar:
@@ -202,8 +207,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
             n = samples if mode == "sampled" else 1
             chunk = [p for m, p in jobs[:max(1, batch // n)] if m == mode]
             jobs = jobs[len(chunk):]
-            ids = [_ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                                add_generation_prompt=True, tokenize=True)) for p in chunk]
+            ids = [encoded[p["prompt_id"]] for p in chunk]
             width = max(map(len, ids))
             inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
             attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])

@@ -52,6 +52,7 @@ class TrainConfig:
     max_minutes: float = 40.0
     seed: int = 0
     threads: int = 2
+    autocast: str = "bfloat16"            # compute dtype of the forward and backward passes ("float32": none)
 
 
 def load_rows(paths: str) -> list[dict]:
@@ -84,18 +85,30 @@ def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int],
 
 
 # ---- teacher ------------------------------------------------------------------------------------------------
-def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: float) -> dict:
-    """Top-k target logits at every position of every row (the label of position i is token i+1); resumable.
-    Stops at its time budget: the rows scored by then are the training set (rerun to score more)."""
+def load_labels(paths: str) -> dict:
+    """The top-k labels that `data.py --batched` wrote beside each data file (`<file>.teacher/`), keyed by row
+    number over all files in order (as `load_rows` numbers them)."""
+    out, offset = {}, 0
+    for path in map(Path, paths.split(",")):
+        for shard in sorted(path.with_suffix(".teacher").glob("*.pt")):
+            out.update({offset + i: v for i, v in torch.load(shard).items()})
+        offset += sum(1 for line in path.read_text().splitlines() if line.strip())
+    return out
+
+
+def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: float, known: dict) -> dict:
+    """Top-k target logits at every position of every row (the label of position i is token i+1) that `known`
+    lacks, from the target engine; resumable. Stops at its time budget: the rows scored by then are the
+    training set (rerun to score more)."""
     from rich.progress import track
 
     from specrt import Generator
     from specrt.drafters import chain_mask
 
     done = torch.load(path) if path.exists() else {}
-    todo = [i for i in range(len(rows)) if i not in done]
+    todo = [i for i in range(len(rows)) if i not in done and i not in known]
     if not todo:
-        return done
+        return {**done, **known}
     target = Generator.from_engines(engines).target
     deadline = time.time() + 60 * max_minutes
     for n, i in enumerate(track(todo, description="scoring with the target")):
@@ -108,10 +121,10 @@ def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: fl
         if n % 50 == 49:
             torch.save(done, path)
         if time.time() > deadline:
-            print(f"scoring stopped by its time budget: {len(done)} of {len(rows)} rows scored")
+            print(f"scoring stopped by its time budget: {len(done)} of {len(todo)} rows scored")
             break
     torch.save(done, path)
-    return done
+    return {**done, **known}
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -175,10 +188,16 @@ def collate(batch: list[int], rows: list[dict], teacher: dict, remap: torch.Tens
     return ids, mask, loss_mask, t_idx, t_val
 
 
+AUTOCAST = {"dtype": torch.bfloat16, "enabled": True}
+
+
 def draft_logits(model, ids, mask, kept: torch.Tensor, loss_mask):
-    hidden = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state   # (B, S, d)
-    head = model.lm_head.weight.index_select(0, kept)                                  # (K, d)
-    return hidden[loss_mask] @ head.T                                                  # (N, K)
+    """Logits over the kept ids at the loss positions (N, K), float32; the passes run under AUTOCAST (bf16
+    matrix units make training several times faster on CPUs that have them; weights stay float32)."""
+    with torch.autocast("cpu", **AUTOCAST):
+        hidden = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state   # (B, S, d)
+        head = model.lm_head.weight.index_select(0, kept)                                  # (K, d)
+        return (hidden[loss_mask] @ head.T).float()                                        # (N, K)
 
 
 def soft_loss(logits, t_idx, t_val):
@@ -223,10 +242,11 @@ def train(cfg: TrainConfig) -> None:
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    AUTOCAST.update(dtype=getattr(torch, cfg.autocast), enabled=cfg.autocast != "float32")
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     rows = load_rows(cfg.data)
-    teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt", cfg.score_minutes)
+    teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt", cfg.score_minutes, load_labels(cfg.data))
     for i, (values, _) in teacher.items():
         if values.shape[0] != len(rows[i]["ids"]) - 1:
             raise SystemExit(f"{work / 'teacher.pt'} does not match {cfg.data} (row {i}); delete it to rescore")

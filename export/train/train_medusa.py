@@ -1,17 +1,21 @@
 """Train Medusa heads on the frozen target: K residual blocks on its last hidden state, each feeding the
-target's own LM head; head k at position t learns the token t + k + 2 of self-distilled answers.
+target's own LM head; head k at position t learns the target's distribution of the token t + k + 2 of
+self-distilled answers (its top-k logits there, written by `data.py --batched`).
 
-    python -m specrt.export.train.train_medusa --engines engines/default --data build/distill/data.jsonl \
+    python -m specrt.export.train.train_medusa --data build/distill2/data.jsonl \
         --work build/medusa-train --out export/drafters/smollm2-135m-medusa
 
-Hidden states come from the target's own engine (one pass per row, cached in --work). Training is seeded,
-shows a progress bar, saves a checkpoint every epoch and resumes from it. The output directory holds
-fp16 safetensors, medusa_config.json and training.json (held-out top-1/top-5 accuracy per head).
+Hidden states come from the target's transformers model in bf16 (batched, cached in --work); the passes of
+the heads run under bf16 autocast. Held-out rows are the draft's (1 prompt in 16, by name). Training is
+seeded, shows a progress bar, saves a checkpoint every epoch and resumes from it. The output directory holds
+fp16 safetensors, medusa_config.json and training.json (held-out top-1/top-5 accuracy per head, against the
+token that actually followed, on all held-out rows and on the greedy ones).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +28,6 @@ from specrt.export.medusa import MedusaHeads, save_heads
 
 @dataclass
 class MedusaConfig:
-    engines: str = "engines/default"
     data: str = "build/distill/data.jsonl"
     work: str = "build/medusa-train"
     out: str = "export/drafters/smollm2-135m-medusa"
@@ -32,47 +35,68 @@ class MedusaConfig:
     epochs: int = 3
     batch: int = 256
     lr: float = 1e-3
-    val_fraction: float = 0.1
+    max_positions: int = 0       # train on a seeded subset of this many positions (0: all)
     seed: int = 0
     threads: int = 2
 
 
-def features(cfg: MedusaConfig, gen) -> dict:
-    """Hidden states (T, d) at answer positions and labels (T, K) (−100 past the end), cached on disk."""
+def features(cfg: MedusaConfig) -> dict:
+    """Hidden states (T, d) at answer positions; labels (T, K): the token that followed (-100 past the end);
+    soft labels (T, K, k): the target's top-k logits for that token, from the labels `data.py --batched` wrote.
+    Hidden states come from the target's transformers model in bf16, many rows per pass; cached in --work."""
+    from specrt.export.sources import load_source
+    from specrt.export.train.train_draft import is_val, load_labels, load_rows
+
     path = Path(cfg.work) / "features.pt"
     if path.is_file():
         return torch.load(path)
-    rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines() if line.strip()]
-    hidden, labels, row_of = [], [], []
-    with Progress() as bar:
+    rows, teacher = load_rows(cfg.data), load_labels(cfg.data)
+    missing = [i for i in range(len(rows)) if i not in teacher]
+    if missing:
+        raise SystemExit(f"{len(missing)} rows of {cfg.data} have no target labels: generate the data with "
+                         "`python -m specrt.export.train.data --batched N`")
+    src = load_source("smollm2-135m")
+    lm_head = src.model.lm_head.weight.detach().float().clone()   # before the cast: tied with the embeddings
+    model = src.model.model.to(torch.bfloat16)
+    K, k = cfg.heads, next(iter(teacher.values()))[0].shape[-1]
+    hidden, labels, soft_i, soft_v, row_of = [], [], [], [], []
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
+    with Progress() as bar, torch.no_grad():
         task = bar.add_task("target hidden states", total=len(rows))
-        for i, row in enumerate(rows):
-            ids, start = row["ids"], row["prompt_len"]
-            S = len(ids)
-            out = gen.target.run_sequence(ids)
-            h = out.hidden[0, start - 1:S - 1].clone()                                # (T_i, d)
-            t = torch.arange(start - 1, S - 1)
-            lab = torch.full((len(t), cfg.heads), -100, dtype=torch.int64)
-            for k in range(cfg.heads):
-                ok = t + k + 2 < S
-                lab[ok, k] = torch.tensor(ids)[t[ok] + k + 2]
-            hidden.append(h)
-            labels.append(lab)
-            row_of.append(torch.full((len(t),), i))
-            bar.advance(task)
-    feats = {"hidden": torch.cat(hidden), "labels": torch.cat(labels), "row": torch.cat(row_of),
-             "lm_head": gen_lm_head(gen), "rows": len(rows)}
+        for s in range(0, len(order), 32):
+            batch = order[s:s + 32]
+            S = max(len(rows[i]["ids"]) for i in batch)
+            ids = torch.zeros(len(batch), S, dtype=torch.long)
+            mask = torch.zeros(len(batch), S, dtype=torch.long)
+            for b, i in enumerate(batch):
+                ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
+                mask[b, :len(rows[i]["ids"])] = 1
+            h = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()      # (b, S, d)
+            for b, i in enumerate(batch):
+                row_ids, start, n = torch.tensor(rows[i]["ids"]), rows[i]["prompt_len"], len(rows[i]["ids"])
+                t = torch.arange(start - 1, n - 1)                     # positions whose next token is an answer
+                values, index = teacher[i]                             # position p: the token p + 1
+                lab = torch.full((len(t), K), -100, dtype=torch.int64)
+                si = torch.zeros(len(t), K, k, dtype=torch.int32)
+                sv = torch.full((len(t), K, k), float("-inf"), dtype=torch.half)
+                for j in range(K):
+                    ok = t + j + 2 < n
+                    lab[ok, j] = row_ids[t[ok] + j + 2]
+                    si[ok, j], sv[ok, j] = index[t[ok] + j + 1], values[t[ok] + j + 1]
+                hidden.append(h[b, start - 1:n - 1].clone())
+                labels.append(lab)
+                soft_i.append(si)
+                soft_v.append(sv)
+                row_of.append(torch.full((len(t),), i))
+            bar.advance(task, len(batch))
+    feats = {"hidden": torch.cat(hidden), "labels": torch.cat(labels), "soft_index": torch.cat(soft_i),
+             "soft_values": torch.cat(soft_v), "row": torch.cat(row_of), "rows": len(rows),
+             "greedy_rows": torch.tensor([i for i, r in enumerate(rows) if r["mode"] == "greedy"]),
+             "val_rows": torch.tensor([i for i, r in enumerate(rows) if is_val(r["prompt_id"])]),
+             "lm_head": lm_head}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(feats, path)
     return feats
-
-
-def gen_lm_head(gen) -> torch.Tensor:
-    """The target's LM head weight, read from its exported source (the same weights the graph holds)."""
-    from specrt.export.model import from_hf
-    from specrt.export.sources import load_source
-    src = load_source(gen.manifest["models"]["target"]["source"])
-    return from_hf(src.model, 8).lm_head.weight.detach().clone()
 
 
 def accuracy(heads: MedusaHeads, hidden, labels, batch: int = 1024) -> dict:
@@ -90,58 +114,75 @@ def accuracy(heads: MedusaHeads, hidden, labels, batch: int = 1024) -> dict:
     return {"top1": (hit1 / total).tolist(), "top5": (hit5 / total).tolist(), "positions": total.tolist()}
 
 
+def soft_loss(logits, index, values):
+    """Cross-entropy against the target's top-k (renormalised) over the whole vocabulary; rows without labels
+    (past the end of an answer) do not count."""
+    p = torch.softmax(values.float(), -1)                                            # (N, k)
+    ok = torch.isfinite(values.float()).any(-1)
+    logq = torch.log_softmax(logits.float(), -1).gather(-1, index.long())             # (N, k)
+    return -(p * logq.masked_fill(p == 0, 0)).sum(-1)[ok].mean()
+
+
 def train(cfg: MedusaConfig) -> None:
-    from specrt.generate import Generator
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     started = time.time()
-    gen = Generator.from_engines(cfg.engines, threads=cfg.threads)
-    f = features(cfg, gen)
-    val_rows = torch.randperm(f["rows"], generator=torch.Generator().manual_seed(cfg.seed))[
-        :max(1, int(cfg.val_fraction * f["rows"]))]
-    is_val = torch.isin(f["row"], val_rows)
-    train_h, train_y = f["hidden"][~is_val], f["labels"][~is_val]
-    val_h, val_y = f["hidden"][is_val], f["labels"][is_val]
+    f = features(cfg)
+    val = torch.isin(f["row"], f["val_rows"])
+    train_idx = torch.nonzero(~val).flatten()
+    if cfg.max_positions and len(train_idx) > cfg.max_positions:  # a seeded subset bounds the training time
+        train_idx = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed))[
+            :cfg.max_positions]]
+    val_greedy = val & torch.isin(f["row"], f["greedy_rows"])
     heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"])
     for head in heads.heads:  # start as the identity: each head first predicts what the LM head predicts
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
     params = [p for n, p in heads.named_parameters() if n.startswith("heads.")]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    steps = (len(train_idx) + cfg.batch - 1) // cfg.batch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps * cfg.epochs)
+                                                                               / (steps * cfg.epochs))))
     ckpt = Path(cfg.work) / "checkpoint.pt"
     state = {"epoch": 0, "history": [], "wall_s": 0.0}
     if ckpt.is_file():
         saved = torch.load(ckpt)
         heads.load_state_dict(saved["heads"])
         opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
         state = saved["state"]
         print(f"resumed from {ckpt} after epoch {state['epoch']}")
-    steps = (len(train_h) + cfg.batch - 1) // cfg.batch
     with Progress() as bar:
         task = bar.add_task("training Medusa heads", total=steps * cfg.epochs, completed=steps * state["epoch"])
         while state["epoch"] < cfg.epochs:
-            order = torch.randperm(len(train_h), generator=torch.Generator().manual_seed(cfg.seed + state["epoch"]))
+            order = train_idx[torch.randperm(len(train_idx),
+                                             generator=torch.Generator().manual_seed(cfg.seed + state["epoch"]))]
             for s in range(0, len(order), cfg.batch):
                 idx = order[s:s + cfg.batch]
-                logits = heads(train_h[idx])                                          # (b, K, V)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), train_y[idx].flatten(),
-                                                         ignore_index=-100)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = heads(f["hidden"][idx])                                  # (b, K, V)
+                loss = soft_loss(logits.flatten(0, 1), f["soft_index"][idx].flatten(0, 1),
+                                 f["soft_values"][idx].flatten(0, 1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                sched.step()
                 bar.update(task, advance=1, description=f"training Medusa heads (loss {loss.item():.3f})")
             state["epoch"] += 1
             state["wall_s"] += time.time() - started
             started = time.time()
-            metrics = accuracy(heads, val_h, val_y)
+            metrics = {"held_out": accuracy(heads, f["hidden"][val], f["labels"][val]),
+                       "held_out_greedy": accuracy(heads, f["hidden"][val_greedy], f["labels"][val_greedy])}
             state["history"].append({"epoch": state["epoch"], "train_loss": loss.item(), **metrics})
-            bar.console.print(f"epoch {state['epoch']}: held-out top-1 {[round(x, 3) for x in metrics['top1']]}, "
-                              f"top-5 {[round(x, 3) for x in metrics['top5']]}")
-            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
+            for name, m in metrics.items():
+                bar.console.print(f"epoch {state['epoch']} {name}: top-1 {[round(x, 3) for x in m['top1']]}, "
+                                  f"top-5 {[round(x, 3) for x in m['top5']]}")
+            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "state": state}, ckpt)
     out = Path(cfg.out)
     save_heads(heads, out)
     record = {"config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"],
-              "train_positions": len(train_h), "val_positions": len(val_h), "rows": f["rows"]}
+              "train_positions": len(train_idx), "val_positions": int(val.sum()), "rows": f["rows"]}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"saved {out}")
 
