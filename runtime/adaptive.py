@@ -42,12 +42,18 @@ def measure(fn, reps: int = 3) -> float:
 
 @dataclass
 class GammaPolicy:
+    """γ for the next round from the running acceptance α and the measured costs, maximising expected tokens
+    per second. γ = 0 (a plain target step) wins when the drafter does not pay for itself; then every
+    `probe_every`-th round still speculates with γ = 1, so that α keeps being measured and speculation resumes
+    when the text turns predictable."""
     costs: Costs
     max_gamma: int
     prior_alpha: float = 0.6
     prior_weight: float = 4.0
+    probe_every: int = 8
     accepted: float = 0.0
     proposed: float = 0.0
+    idle: int = 0
     chosen: list[int] = field(default_factory=list)
 
     @property
@@ -59,9 +65,19 @@ class GammaPolicy:
         self.accepted += accepted
         self.proposed += proposed
 
+    def rate(self, gamma: int) -> float:
+        """Expected tokens per second of a round of γ drafts (γ = 0: a plain step)."""
+        if gamma == 0:
+            return 1.0 / self.costs.verify[1]
+        return expected_tokens(min(self.alpha, 0.999), gamma) / self.costs.round_time(gamma)
+
     def choose(self) -> int:
-        a = min(self.alpha, 0.999)
-        best = max(range(1, self.max_gamma + 1),
-                   key=lambda g: expected_tokens(a, g) / self.costs.round_time(g))
+        best = max(range(self.max_gamma + 1), key=self.rate)
+        if best == 0:
+            self.idle += 1
+            if self.idle % self.probe_every == 0:
+                best = 1
+        else:
+            self.idle = 0
         self.chosen.append(best)
         return best

@@ -45,12 +45,18 @@ _cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
 
 class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
-    least the first n−2 tokens of a row of length n, so each round feeds the last two tokens, then γ−1 more."""
+    least the first n−2−s tokens of a row of length n, where s counts the rounds since its last proposal
+    (plain target steps add one token each), so a round feeds the last 2+s tokens, then γ−1 more."""
 
     name = "draft"
 
     def __init__(self, engine, timer, tree: Tree | None = None):
         self.engine, self.timer, self.tree = engine, timer, tree
+        self.behind = 0
+
+    def skip(self, run) -> None:
+        """A round without drafts: the rows grow by one token that the draft has not seen."""
+        self.behind += 1
 
     def start(self, run) -> None:
         """Prefill the prompt minus its last token once, then copy it to every row."""
@@ -67,11 +73,14 @@ class DraftModelDrafter:
 
     def propose(self, run, gamma: int) -> Proposal:
         B, smax = run.batch, run.max_len
-        start = (run.lengths - 2).clamp(min=0)
+        w = 2 + self.behind
+        self.behind = 0
+        start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
-        ids = run.tokens.gather(1, start[:, None] + torch.arange(2))                    # (B, 2)
-        pos = (start[:, None] + torch.arange(2)).clamp(max=smax - 1)
-        mask = chain_mask(B, 2)
+        feed = start[:, None] + torch.arange(w)
+        ids = run.tokens.gather(1, feed)                                                # (B, w)
+        pos = feed.clamp(max=smax - 1)
+        mask = chain_mask(B, w)
         tokens, qs, tops = [], [], []
         for i in range(gamma):
             out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
@@ -110,6 +119,9 @@ class NgramDrafter:
     def start(self, run) -> None:
         pass
 
+    def skip(self, run) -> None:  # stateless between rounds
+        pass
+
     def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)        # (len-n, n)
@@ -146,6 +158,9 @@ class MedusaDrafter:
         self.heads, self.tree = heads, tree
 
     def start(self, run) -> None:
+        pass
+
+    def skip(self, run) -> None:  # stateless between rounds
         pass
 
     def propose(self, run, gamma: int) -> Proposal:

@@ -148,6 +148,8 @@ class Generator:
                 g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
             else:
                 g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
+            if drafter and not g:
+                drafter.skip(run)
             proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch)
             accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
             if policy:
@@ -336,6 +338,7 @@ class Generator:
                          mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
+            stats["plain_rounds"] = policy.chosen.count(0)
         if method == "draft" or policy is not None:
             costs = self.costs()
             alpha = stats["acceptance_rate"]

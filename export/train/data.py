@@ -5,14 +5,19 @@ Prompts come from two places, each row records which:
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
 The MT-Bench prompts are the benchmark set and are never used here.
 
-Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7) in one
-batched call.
+Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7, the
+full distribution).
 Output: JSON lines {prompt_id, source, prompt, mode, temperature, seed, ids, prompt_len}; rerunning the command
-skips the prompts already in the file, so an interrupted run resumes. `--human` adds, without generating, the
-seed tasks' own human-written answers in the chat format (mode "human"): off-policy text on which the target's
-scores are still exact distillation labels, and scoring a token costs a small fraction of generating one.
+skips the prompts already in the file, so an interrupted run resumes.
 
-    python -m specrt.export.train.data --engines engines/default --out build/distill/data.jsonl --max-minutes 22
+Two generators:
+  --batched B   (the recipe of the shipped drafters) the target's transformers model in bf16, B answers per call,
+                prompts of similar length together; the target's top-16 logits at every answer position are
+                saved beside the file (`<out>.teacher/`) as the soft labels, so no second scoring pass is needed
+  default       the target's ORT engine, one prompt per call; `train_draft` scores its rows afterwards
+`--human` adds, without generating, the seed tasks' own human-written answers in the chat format (mode "human").
+
+    python -m specrt.export.train.data --out build/distill/data.jsonl --batched 128 --samples 16 --max-calls 60
 """
 from __future__ import annotations
 
@@ -165,7 +170,8 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
 
 
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
-                     num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16) -> None:
+                     num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
+                     max_calls: int = 0) -> None:
     """The same rows as `generate`, produced by the target's transformers model in bfloat16, `batch` answers
     per call (greedy: `batch` prompts; sampled: batch // samples prompts x `samples` answers). On a CPU with
     bf16 matrix units this is about ten times the tokens per second of B=1 decoding. The target's top-k logits
@@ -200,6 +206,9 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
     with out.open("a") as f, Progress() as bar:
         task = bar.add_task("distilling", total=len(jobs))
         while jobs:
+            if max_calls and row_calls(shards) >= max_calls:
+                bar.console.print(f"{max_calls} calls done; {len(jobs)} prompt jobs left")
+                break
             if time.time() > deadline:
                 bar.console.print(f"time budget reached; {len(jobs)} prompt jobs left (rerun to continue)")
                 break
@@ -249,6 +258,11 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
             bar.update(task, advance=len(chunk), description=f"distilling ({tokens} tokens)")
 
 
+def row_calls(shards: Path) -> int:
+    """Generation calls completed so far (one label file each)."""
+    return len(list(shards.glob("*.pt")))
+
+
 def human_rows(engines: str) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -286,6 +300,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batched", type=int, default=0, metavar="B",
                     help="generate with the target's transformers model in bf16, B answers per call, and keep "
                          "its top-16 logits as labels; 0: the ORT engine, one prompt per call")
+    ap.add_argument("--max-calls", type=int, default=0,
+                    help="with --batched: stop after this many generation calls in all (0: only the time budget)")
     ap.add_argument("--human", action="store_true", help="append the seed tasks' human answers, then stop")
     a = ap.parse_args(argv)
     if a.human:
@@ -297,7 +313,7 @@ def main(argv=None) -> None:
         return
     if a.batched:
         generate_batched(a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
-                         a.batched, a.greedy)
+                         a.batched, a.greedy, max_calls=a.max_calls)
         return
     generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
              a.greedy)
