@@ -35,7 +35,7 @@ def test_vocab_subset_graph(tmp_path):
     (tmp_path / "d" / "specrt_vocab.json").write_text(json.dumps({"kept_ids": kept}))
     out = export_engines(str(tmp_path / "t"), tmp_path / "e", draft=str(tmp_path / "d"), max_seq_len=64,
                          log=lambda *_: None)
-    build(out, "onnxruntime", log=lambda *_: None)
+    build(out, "onnxruntime", log=lambda *_: None, drafter_weights="float32")
     assert json.loads((out / "manifest.json").read_text())["models"]["draft"]["output_vocab"] == len(kept)
 
     gen = Generator.from_engines(out)
@@ -56,6 +56,41 @@ def test_vocab_subset_graph(tmp_path):
     assert spec == plain
     sampled = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft", gamma=4, temperature=0.8, seed=0)
     assert all(0 <= t < 64 for t in sampled.token_ids[0])
+
+
+def test_int8_drafter_engines(tmp_path):
+    """The default build quantizes the draft's and the heads' weights to int8 and leaves the target alone:
+    the draft's logits move a little, the kept-vocabulary structure stays, greedy output does not change."""
+    from specrt import Generator
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+
+    target, draft = tiny_model("llama", seed=0, vocab=64), tiny_model("llama", seed=1, vocab=64, layers=1)
+    kept = list(range(0, 64, 2))
+    target.save_pretrained(tmp_path / "t")
+    draft.save_pretrained(tmp_path / "d")
+    (tmp_path / "d" / "specrt_vocab.json").write_text(json.dumps({"kept_ids": kept}))
+    out = export_engines(str(tmp_path / "t"), tmp_path / "e", draft=str(tmp_path / "d"), max_seq_len=64,
+                         log=lambda *_: None)
+    manifest = build(out, "onnxruntime", log=lambda *_: None)
+    assert manifest["models"]["draft"]["engine"]["weights"] == "int8"
+    assert manifest["models"]["target"]["engine"]["weights"] == "float32"
+
+    gen = Generator.from_engines(out)
+    ids = torch.tensor([[1, 7, 2, 9, 4]])
+    cache = gen.draft.new_cache(1)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    logits = gen.draft.forward(ids, torch.arange(5)[None], cache.past_len, mask, 5).logits[0]
+    with torch.no_grad():
+        ref = draft(ids).logits[0]
+    assert torch.isneginf(logits[:, 1::2]).all() and torch.isfinite(logits[:, kept]).all()
+    assert not torch.equal(logits[:, kept], ref[:, kept])                       # it is quantized...
+    assert torch.corrcoef(torch.stack([logits[:, kept].flatten(), ref[:, kept].flatten()]))[0, 1] > 0.99
+
+    prompt = [3, 1, 4, 1, 5]
+    plain = gen.generate(prompt_ids=prompt, max_new_tokens=24).token_ids
+    for gamma in (1, 3, 6):                                                     # ...and the output is the same
+        assert gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft", gamma=gamma).token_ids == plain
 
 
 def test_unknown_vocab_file_is_refused(tmp_path):
