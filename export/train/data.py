@@ -22,6 +22,7 @@ Two generators:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -169,6 +170,14 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
             bar.update(task, advance=1, description=f"distilling ({tokens} tokens)")
 
 
+@functools.lru_cache(maxsize=1)
+def _bf16_target():
+    from specrt.export.sources import load_source
+    src = load_source("smollm2-135m")
+    src.model.to(torch.bfloat16)
+    return src
+
+
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
                      num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
                      max_calls: int = 0) -> None:
@@ -180,10 +189,8 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
     target's up to bf16 rounding."""
     from rich.progress import Progress
 
-    from specrt.export.sources import load_source
-
-    src = load_source("smollm2-135m")
-    model, tok, eos = src.model.to(torch.bfloat16), src.tokenizer, set(src.eos_token_ids)
+    src = _bf16_target()
+    model, tok, eos = src.model, src.tokenizer, set(src.eos_token_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else src.eos_token_ids[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     shards = out.with_suffix(".teacher")

@@ -133,12 +133,13 @@ def init_draft(target, layers: tuple[int, ...]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = target.config.to_dict()
-    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
+                "torch_dtype", "quantization_config"):
         cfg.pop(key, None)
     cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
     draft = LlamaForCausalLM(LlamaConfig(**cfg)).float()
     src = target.state_dict()
-    state = {"model.embed_tokens.weight": src["model.embed_tokens.weight"], "model.norm.weight": src["model.norm.weight"]}
+    state = {k: src[k] for k in ("model.embed_tokens.weight", "model.norm.weight")}
     for new, old in enumerate(layers):
         prefix = f"model.layers.{old}."
         state.update({f"model.layers.{new}.{k[len(prefix):]}": v for k, v in src.items() if k.startswith(prefix)})
@@ -271,6 +272,9 @@ def train(cfg: TrainConfig) -> None:
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     train_ids = [i for i, r in enumerate(rows) if i in teacher and not is_val(r["prompt_id"])]
     val_ids = [i for i, r in enumerate(rows) if i in teacher and is_val(r["prompt_id"])]
+    answers = [teacher[i][1][rows[i]["prompt_len"] - 1:, 0].long() for i in val_ids if rows[i]["mode"] == "greedy"]
+    coverage = float((remap[torch.cat(answers)] >= 0).float().mean()) if answers else None
+    print(f"{len(kept_ids)} kept ids cover {coverage:.3f} of the target's greedy tokens on held-out answers")
     state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
@@ -287,7 +291,8 @@ def train(cfg: TrainConfig) -> None:
     else:
         first = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
         state["history"].append({"step": 0, **first})
-        print(f"step 0 ({cfg.init or f'target layers {cfg.layers}'}): val agreement {first['agreement']:.3f} loss {first['loss']:.3f}")
+        print(f"step 0 ({cfg.init or f'target layers {cfg.layers}'}): val agreement {first['agreement']:.3f} "
+              f"loss {first['loss']:.3f}")
 
     def save():
         trainable = {k: v for k, v in model.state_dict().items() if not k.startswith(("model.embed", "lm_head"))}
@@ -327,9 +332,9 @@ def train(cfg: TrainConfig) -> None:
     save()
     if state["step"] < cfg.steps:  # the draft so far is still written; rerunning resumes the schedule
         print(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
-    save_draft(model, kept_ids, Path(cfg.out), {"config": asdict(cfg), "history": state["history"],
-                                                "wall_s": state["wall_s"], "steps_done": state["step"], "rows": len(rows),
-                                                "train_rows": len(train_ids), "val_rows": len(val_ids)})
+    save_draft(model, kept_ids, Path(cfg.out), {
+        "config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"], "steps_done": state["step"],
+        "rows": len(rows), "train_rows": len(train_ids), "val_rows": len(val_ids), "kept_coverage": coverage})
 
 
 def save_draft(model, kept_ids: list[int], out: Path, record: dict) -> None:

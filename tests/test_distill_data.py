@@ -1,0 +1,38 @@
+"""The drafters' training data (`export/train/data.py --batched`): the target's own answers, with its top-k
+logits as labels at every answer position, read back in row order by `train_draft.load_labels`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrt.export.train.data import generate_batched
+from specrt.export.train.train_draft import load_labels, load_rows
+
+
+@pytest.mark.slow
+def test_batched_rows_carry_the_targets_labels(tmp_path):
+    greedy, sampled = tmp_path / "greedy.jsonl", tmp_path / "sampled.jsonl"
+    common = dict(max_new_tokens=12, temperature=0.7, max_minutes=10, num_template=4, seed=0, max_calls=1)
+    generate_batched(greedy, samples=0, batch=3, **common)
+    generate_batched(sampled, samples=2, batch=4, greedy=False, **common)
+    generate_batched(sampled, samples=2, batch=4, greedy=False, **common)   # a rerun adds nothing
+
+    rows, labels = load_rows(f"{greedy},{sampled}"), load_labels(f"{greedy},{sampled}")
+    assert [r["mode"] for r in rows] == ["greedy"] * 3 + ["sampled"] * 4
+    assert sorted(labels) == list(range(7))
+    assert {r["prompt_id"] for r in rows[3:5]} == {rows[3]["prompt_id"]}      # 2 answers per prompt
+    for row, (values, index) in zip(rows, (labels[i] for i in range(7))):
+        ids, start = row["ids"], row["prompt_len"]
+        assert values.shape == index.shape == (len(ids) - 1, 16)
+        # prompt positions: the next prompt token as a hard label
+        assert index[:start - 1, 0].tolist() == ids[1:start]
+        answer, top = torch.tensor(ids[start:]), index[start - 1:].long()
+        assert torch.isfinite(values[start - 1:].float()).all()
+        if row["mode"] == "greedy":  # the argmax is the token taken, unless bf16 rounding made a tie
+            tie = values[start - 1:, 0] == values[start - 1:, 1]
+            assert ((top[:, 0] == answer) | tie).all()
+        else:                        # a sampled token is usually among the top 16
+            assert (top == answer[:, None]).any(-1).float().mean() > 0.8
+    assert json.loads(greedy.read_text().splitlines()[0])["dtype"] == "bfloat16"
