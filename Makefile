@@ -48,26 +48,23 @@ bench: engines
 DISTILL := build/distill
 TRAIN   := $(PY) -m specrt.export.train
 
-# Self-distillation data: the target answers the seed tasks and the project's own prompts (time-boxed,
-# resumable: rerun to continue). Never the MT-Bench dev set.
-train-data: engines
-	$(TRAIN).data --engines $(ENGINES) --out $(DISTILL)/data.jsonl --samples 3 --max-minutes 24
-	$(TRAIN).data --engines $(ENGINES) --out $(DISTILL)/data.jsonl --human
-	$(TRAIN).data --engines $(ENGINES) --out $(DISTILL)/data2.jsonl --no-greedy --samples 16 --max-minutes 13
+# Self-distillation data (export/train/data.py): the target answers the Self-Instruct seed tasks and the project's
+# own prompts, in bf16 batches of 128 answers, keeping its top-16 logits as labels. Never the MT-Bench dev set.
+# Every step resumes where it stopped; the call counts fix how much data there is (about 30 min on 2 cores).
+GEN := $(TRAIN).data --out $(DISTILL)/data.jsonl --batched 128 --max-new-tokens 160 --num-template 600 --max-minutes 600
+train-data: | $(STAMP)
+	$(GEN) --samples 0 --max-calls 7
+	$(GEN) --samples 16 --no-greedy --max-calls 8
+	$(GEN) --samples 4 --no-greedy --max-calls TRAIN_DATA_CALLS
 
 train-draft: train-data
-	$(TRAIN).train_draft --engines $(ENGINES) --data $(DISTILL)/data.jsonl --work build/draft-train \
-	    --out build/draft-run1 --layers 0,1 --kept-vocab 8192 --steps 120 --eval-every 20 --save-every 10 \
-	    --lr 5e-4 --batch-tokens 4096 --max-minutes 38 --score-minutes 10
-	mkdir -p build/draft-train2 && (test -f build/draft-train2/teacher.pt || cp build/draft-train/teacher.pt build/draft-train2/)
-	$(TRAIN).train_draft --engines $(ENGINES) --data $(DISTILL)/data.jsonl,$(DISTILL)/data2.jsonl \
-	    --init build/draft-run1 --work build/draft-train2 --out export/drafters/smollm2-135m-draft \
-	    --kept-vocab 12288 --steps 170 --eval-every 20 --save-every 10 --lr 5e-4 --warmup 5 \
-	    --batch-tokens 4096 --max-minutes 21 --score-minutes 5
+	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \
+	    --layers 0,1,2 --kept-vocab 12288 --steps DRAFT_STEPS --batch-tokens 8192 --lr 1e-3 --warmup 20 \
+	    --eval-every 40 --save-every 20 --max-minutes 120
 
 train-medusa: train-data
-	$(TRAIN).train_medusa --engines $(ENGINES) --data $(DISTILL)/data.jsonl --work build/medusa-train \
-	    --out $(MEDUSA)
+	$(TRAIN).train_medusa --data $(DISTILL)/data.jsonl --work build/medusa-train --out $(MEDUSA) \
+	    MEDUSA_ARGS
 
 clean:
 	rm -rf $(VENV) engines/default

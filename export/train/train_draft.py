@@ -276,6 +276,7 @@ def train(cfg: TrainConfig) -> None:
     coverage = float((remap[torch.cat(answers)] >= 0).float().mean()) if answers else None
     print(f"{len(kept_ids)} kept ids cover {coverage:.3f} of the target's greedy tokens on held-out answers")
     state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
+    best: dict = {}   # weights at the best held-out agreement so far
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
@@ -286,6 +287,7 @@ def train(cfg: TrainConfig) -> None:
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
         state = saved["state"]
+        best.update(saved.get("best", {}))
         torch.set_rng_state(saved["rng"])
         print(f"resumed at step {state['step']}")
     else:
@@ -294,10 +296,13 @@ def train(cfg: TrainConfig) -> None:
         print(f"step 0 ({cfg.init or f'target layers {cfg.layers}'}): val agreement {first['agreement']:.3f} "
               f"loss {first['loss']:.3f}")
 
+    def trainable():
+        return {k: v for k, v in model.state_dict().items() if not k.startswith(("model.embed", "lm_head"))}
+
     def save():
-        trainable = {k: v for k, v in model.state_dict().items() if not k.startswith(("model.embed", "lm_head"))}
-        torch.save({"config": asdict(cfg), "model": trainable, "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "state": state, "rng": torch.get_rng_state(), "kept_ids": kept_ids}, work / "ckpt.tmp")
+        torch.save({"config": asdict(cfg), "model": trainable(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "state": state, "rng": torch.get_rng_state(), "kept_ids": kept_ids, "best": best},
+                   work / "ckpt.tmp")
         (work / "ckpt.tmp").replace(ckpt)
 
     started = time.time() - state["wall_s"]
@@ -327,11 +332,17 @@ def train(cfg: TrainConfig) -> None:
                 m = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
                 state["history"].append({"step": state["step"], "train_loss": loss.item(), **m})
                 bar.console.print(f"step {state['step']}: val agreement {m['agreement']:.3f} loss {m['loss']:.3f}")
+                if m["agreement"] > state.get("best_agreement", -1.0):   # the draft that ships: the best seen
+                    state.update(best_step=state["step"], best_agreement=m["agreement"])
+                    best.update({k: v.clone() for k, v in trainable().items()})
             if state["step"] % cfg.save_every == 0:
                 save()
     save()
     if state["step"] < cfg.steps:  # the draft so far is still written; rerunning resumes the schedule
         print(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
+    if best:
+        model.load_state_dict(best, strict=False)
+        print(f"writing the draft of step {state['best_step']} (held-out agreement {state['best_agreement']:.3f})")
     save_draft(model, kept_ids, Path(cfg.out), {
         "config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"], "steps_done": state["step"],
         "rows": len(rows), "train_rows": len(train_ids), "val_rows": len(val_ids), "kept_coverage": coverage})
