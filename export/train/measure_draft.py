@@ -1,5 +1,5 @@
-"""Measure a target + draft engine set on the MT-Bench prompts: greedy acceptance α at a fixed γ, acceptance per
-draft position, the cost ratio c, and the speedup of `draft` over `autoregressive` at each temperature.
+"""Measure a target + draft engine set on the MT-Bench prompts: acceptance α at a fixed γ (per token, and
+accepted over proposed), acceptance per draft position, the cost ratio c, and the speedup of `draft` over `autoregressive` at each temperature.
 Runs are interleaved prompt by prompt (plain, then speculative, same prompt and seed) so that a shared machine
 slows both alike.
 
@@ -16,6 +16,20 @@ from pathlib import Path
 def mt_bench(n: int) -> list[str]:
     rows = resources.files("specrt").joinpath("data/mt_bench.jsonl").read_text().splitlines()
     return [json.loads(r)["turns"][0] for r in rows[:n]]
+
+
+def per_token_alpha(mean_accepted: float, gamma: int) -> float:
+    """The per-token acceptance probability α of the i.i.d. model (Leviathan et al.) that explains the mean
+    number of drafts accepted per round: α(1 − α^γ)/(1 − α) = mean_accepted, solved by bisection. Accepted over
+    proposed understates α, since drafts after the first rejection count as proposed and never accepted."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, gamma + 1)) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, temperatures: list[float],
@@ -51,10 +65,16 @@ def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, tem
                 per_pos[j][0] += rate * rounds
                 per_pos[j][1] += rounds
             acc, prop = acc + a * n_prop, prop + n_prop
-        alpha = acc / prop if prop else None
+        rounds = per_pos[0][1]
+        alpha = per_token_alpha(acc / rounds, gamma) if rounds else None
+        reached = [a / p if p else None for a, p in per_pos]
         tps_plain, tps_spec = tokens_plain / time_plain, tokens_spec / time_spec
         out["by_temperature"][str(temp)] = {
-            "alpha": alpha, "acceptance_per_position": [a / p if p else None for a, p in per_pos],
+            "alpha": alpha, "accepted_over_proposed": acc / prop if prop else None,
+            "mean_accepted": acc / rounds if rounds else None,
+            "acceptance_per_position": reached,
+            "conditional_acceptance_per_position": [
+                r / prev if r is not None and prev else None for r, prev in zip(reached, [1.0] + reached[:-1])],
             "tokens_per_s_autoregressive": tps_plain, "tokens_per_s_draft": tps_spec,
             "speedup": tps_spec / tps_plain,
             "predicted_speedup": costs.predicted_speedup(alpha, gamma) if alpha is not None else None,
