@@ -55,11 +55,11 @@ GEN := $(TRAIN).data --out $(DISTILL)/data.jsonl --batched 128 --max-new-tokens 
 train-data: | $(STAMP)
 	$(GEN) --samples 0 --max-calls 7
 	$(GEN) --samples 16 --no-greedy --max-calls 8
-	$(GEN) --samples 4 --no-greedy --max-calls TRAIN_DATA_CALLS
+	$(GEN) --samples 4 --no-greedy --max-calls 18
 
 train-draft: train-data
 	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \
-	    --layers 0,1,2 --kept-vocab 12288 --steps DRAFT_STEPS --batch-tokens 8192 --lr 1e-3 --warmup 20 \
+	    --layers 0,1,2 --kept-vocab 12288 --steps 600 --batch-tokens 8192 --lr 1e-3 --warmup 20 --weight-decay 0.05 \
 	    --eval-every 40 --save-every 20 --max-minutes 120
 
 train-medusa: train-data

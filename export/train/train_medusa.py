@@ -117,10 +117,10 @@ def accuracy(heads: MedusaHeads, hidden, labels, batch: int = 1024) -> dict:
 def soft_loss(logits, index, values):
     """Cross-entropy against the target's top-k (renormalised) over the whole vocabulary; rows without labels
     (past the end of an answer) do not count."""
-    p = torch.softmax(values.float(), -1)                                            # (N, k)
-    ok = torch.isfinite(values.float()).any(-1)
-    logq = torch.log_softmax(logits.float(), -1).gather(-1, index.long())             # (N, k)
-    return -(p * logq.masked_fill(p == 0, 0)).sum(-1)[ok].mean()
+    ok = torch.isfinite(values.float()).any(-1)          # select first: a row of -inf has a NaN softmax
+    p = torch.softmax(values[ok].float(), -1)                                        # (n, k)
+    logq = torch.log_softmax(logits[ok].float(), -1).gather(-1, index[ok].long())     # (n, k)
+    return -(p * logq.masked_fill(p == 0, 0)).sum(-1).mean()
 
 
 def train(cfg: MedusaConfig) -> None:
