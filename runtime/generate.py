@@ -72,16 +72,19 @@ class Generator:
             raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
                                 f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
         device = pick_device(device)
+        # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
+        # pool keeps spinning for a while after each run, taking cores from the target's next pass.
+        drafter_threads = 1 if device == "cpu" else threads
         engines = {}
         for role, spec in models.items():
             if "engine" not in spec:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
             path = check_file(directory, spec["engine"], f"{role} engine")
             if role == "medusa":
-                engines[role] = OrtHeads(path, spec, device=device, threads=threads)
+                engines[role] = OrtHeads(path, spec, device=device, threads=drafter_threads)
                 continue
             backend = TensorRTEngine if spec["engine"]["backend"] == "tensorrt" else OrtEngine
-            engines[role] = backend(path, spec, device=device, threads=threads)
+            engines[role] = backend(path, spec, device=device, threads=threads if role == "target" else drafter_threads)
         tokenizer = None
         if manifest.get("tokenizer"):
             for entry in manifest["tokenizer"]:
