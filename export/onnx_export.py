@@ -1,9 +1,12 @@
 """Trace a model to the ONNX graph of the engine contract and write the engine directory atomically."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -65,6 +68,19 @@ def model_entry(model: SpecModel, source: str, graph_file: str, directory: Path,
     }
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM wait until the block ends (main thread, POSIX; elsewhere a no-op)."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    can = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs) if can else None
+    try:
+        yield
+    finally:
+        if can:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class StagingDir:
     """Write an engine directory beside its final place and move it there only when complete.
     An interrupted or failed export leaves nothing at `out` (and removes its staging directory)."""
@@ -81,7 +97,8 @@ class StagingDir:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+                shutil.rmtree(self.tmp, ignore_errors=True)
             return False
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old")
