@@ -58,9 +58,11 @@ def test_bench_results_are_consistent(engines, tmp_path):
         assert s["time_s"] == pytest.approx(sum(x["time_s"] for x in runs))
         assert s["speedup"] == pytest.approx(s["tokens_per_s"] / base[s["temperature"]]["tokens_per_s"])
         if s["system"] == "specrt" and s["method"] == "draft":   # n-gram may find nothing to propose
-            assert 0 <= s["alpha"] <= 1 and s["predicted_speedup"] > 0 and s["c"] > 0
+            assert s["c"] > 0
             assert 1 <= s["mean_tokens_per_round"] <= 9
-            assert s["acceptance_per_position"] and all(0 <= a <= 1 for a in s["acceptance_per_position"])
+            if s["alpha"] is not None:  # None: adaptive γ found drafting too dear here and took plain steps only
+                assert 0 <= s["alpha"] <= 1 and s["predicted_speedup"] > 0
+                assert s["acceptance_per_position"] and all(0 <= a <= 1 for a in s["acceptance_per_position"])
     assert {(s["method"], s["gamma"]) for s in r["sweep"]} == {(m, g) for m in ("draft", "ngram") for g in (1, 2)}
     assert all(s["speedup"] > 0 and s["predicted_costs"] > 0 for s in r["sweep"])
 

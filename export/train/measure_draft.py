@@ -1,5 +1,6 @@
 """Measure a target + draft engine set on the MT-Bench prompts: acceptance α at a fixed γ (per token, and
-accepted over proposed), acceptance per draft position, the cost ratio c, and the speedup of `draft` over `autoregressive` at each temperature.
+accepted over proposed), acceptance per draft position, the cost ratio c, and the speedup of `draft` over
+`autoregressive` at each temperature.
 Runs are interleaved prompt by prompt (plain, then speculative, same prompt and seed) so that a shared machine
 slows both alike.
 
