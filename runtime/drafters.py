@@ -45,18 +45,14 @@ _cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
 
 class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
-    least the first n−2−s tokens of a row of length n, where s counts the rounds since its last proposal
-    (plain target steps add one token each), so a round feeds the last 2+s tokens, then γ−1 more."""
+    least the first n−2−s tokens of a row of length n, where s counts the rounds it did not propose in since
+    its last proposal (plain target steps, one token each), so a round feeds the last 2+s tokens, then γ−1
+    more."""
 
     name = "draft"
 
     def __init__(self, engine, timer, tree: Tree | None = None):
         self.engine, self.timer, self.tree = engine, timer, tree
-        self.behind = 0
-
-    def skip(self, run) -> None:
-        """A round without drafts: the rows grow by one token that the draft has not seen."""
-        self.behind += 1
 
     def start(self, run) -> None:
         """Prefill the prompt minus its last token once, then copy it to every row."""
@@ -67,14 +63,15 @@ class DraftModelDrafter:
             one.write(out.new_kv)
             one.past_len += m
         self.cache = one
+        self.next_round = run.rounds   # the round whose proposal the cache is ready for
         if run.batch > 1:
             self.cache = self.engine.new_cache(run.batch, run.cache_len)
             self.cache.broadcast_row(one)
 
     def propose(self, run, gamma: int) -> Proposal:
         B, smax = run.batch, run.max_len
-        w = 2 + self.behind
-        self.behind = 0
+        w = 2 + run.rounds - self.next_round
+        self.next_round = run.rounds + 1
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
         feed = start[:, None] + torch.arange(w)
@@ -119,9 +116,6 @@ class NgramDrafter:
     def start(self, run) -> None:
         pass
 
-    def skip(self, run) -> None:  # stateless between rounds
-        pass
-
     def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)        # (len-n, n)
@@ -158,9 +152,6 @@ class MedusaDrafter:
         self.heads, self.tree = heads, tree
 
     def start(self, run) -> None:
-        pass
-
-    def skip(self, run) -> None:  # stateless between rounds
         pass
 
     def propose(self, run, gamma: int) -> Proposal:

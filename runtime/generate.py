@@ -151,8 +151,6 @@ class Generator:
                 g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
             else:
                 g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
-            if drafter and not g:
-                drafter.skip(run)
             proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch)
             accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
             if policy:
