@@ -2,7 +2,7 @@
 target's own LM head; head k at position t learns the target's distribution of the token t + k + 2 of
 self-distilled answers (its top-k logits there, written by `data.py --batched`).
 
-    python -m specrt.export.train.train_medusa --data build/distill2/data.jsonl \
+    python -m specrt.export.train.train_medusa --data build/distill/data.jsonl \
         --work build/medusa-train --out export/drafters/smollm2-135m-medusa
 
 Hidden states come from the target's transformers model in bf16 (batched, cached in --work); the passes of
@@ -24,6 +24,7 @@ import torch
 from rich.progress import Progress
 
 from specrt.export.medusa import MedusaHeads, save_heads
+from specrt.export.train.train_draft import soft_loss as draft_soft_loss
 
 
 @dataclass
@@ -115,12 +116,10 @@ def accuracy(heads: MedusaHeads, hidden, labels, batch: int = 1024) -> dict:
 
 
 def soft_loss(logits, index, values):
-    """Cross-entropy against the target's top-k (renormalised) over the whole vocabulary; rows without labels
-    (past the end of an answer) do not count."""
-    ok = torch.isfinite(values.float()).any(-1)          # select first: a row of -inf has a NaN softmax
-    p = torch.softmax(values[ok].float(), -1)                                        # (n, k)
-    logq = torch.log_softmax(logits[ok].float(), -1).gather(-1, index[ok].long())     # (n, k)
-    return -(p * logq.masked_fill(p == 0, 0)).sum(-1).mean()
+    """The draft's soft cross-entropy against the target's top-k, over the whole vocabulary, on the rows that
+    have labels (past the end of an answer there are none; selected first: a row of -inf has a NaN softmax)."""
+    ok = torch.isfinite(values.float()).any(-1)
+    return draft_soft_loss(logits[ok].float(), index[ok].long(), values[ok].float())
 
 
 def train(cfg: MedusaConfig) -> None:
