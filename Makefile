@@ -56,6 +56,7 @@ train-data: | $(STAMP)
 	$(GEN) --samples 0 --max-calls 7
 	$(GEN) --samples 16 --no-greedy --max-calls 8
 	$(GEN) --samples 4 --no-greedy --max-calls 18
+	$(GEN) --num-varied 1600 --samples 0 --max-calls 31
 
 train-draft: train-data
 	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \

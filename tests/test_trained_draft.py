@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -61,6 +62,8 @@ def test_vocab_subset_graph(tmp_path):
 def test_int8_drafter_engines(tmp_path):
     """The default build quantizes the draft's and the heads' weights to int8 and leaves the target alone:
     the draft's logits move a little, the kept-vocabulary structure stays, greedy output does not change."""
+    import onnx
+
     from specrt import Generator
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
@@ -75,6 +78,9 @@ def test_int8_drafter_engines(tmp_path):
     manifest = build(out, "onnxruntime", log=lambda *_: None)
     assert manifest["models"]["draft"]["engine"]["weights"] == "int8"
     assert manifest["models"]["target"]["engine"]["weights"] == "float32"
+    ops = {n.name: n.op_type for n in onnx.load(os.path.join(out, "draft.ort.onnx"), load_external_data=False).graph.node}
+    assert ops["/layers.0/mlp/down_proj/MatMul"] == "MatMul"                     # kept float32
+    assert ops["/layers.0/mlp/up_proj/MatMul_quant"] == "MatMulIntegerToFloat"   # int8 weights
 
     gen = Generator.from_engines(out)
     ids = torch.tensor([[1, 7, 2, 9, 4]])

@@ -3,6 +3,8 @@
 Prompts come from two places, each row records which:
   seed       the 175 Self-Instruct seed tasks (instruction + input), `data/seed_tasks.jsonl`, Apache-2.0
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
+  varied     longer, more varied requests composed by `prompts.py` (writing, role play, reasoning, math, code,
+             extraction, science, humanities; constraints and follow-ups), seeded
 The MT-Bench prompts are the benchmark set and are never used here.
 
 Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7, the
@@ -125,17 +127,18 @@ def template_prompts(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def all_prompts(num_template: int, seed: int) -> list[dict]:
-    """Seed tasks and templated prompts interleaved, so a run cut short by its time budget still sees both."""
-    seeds, templ = seed_prompts(), template_prompts(num_template, seed)
+def all_prompts(num_template: int, seed: int, num_varied: int = 0) -> list[dict]:
+    """Seed tasks, templated and varied prompts interleaved, so a run cut short by its time budget sees all."""
+    from specrt.export.train.prompts import varied_prompts
+    sources = seed_prompts(), template_prompts(num_template, seed), varied_prompts(num_varied, seed)
     rows = []
-    for i in range(max(len(seeds), len(templ))):
-        rows += [r[i] for r in (seeds, templ) if i < len(r)]
+    for i in range(max(map(len, sources))):
+        rows += [r[i] for r in sources if i < len(r)]
     return rows
 
 
 def generate(engines: str, out: Path, max_new_tokens: int, samples: int, temperature: float,
-             max_minutes: float, num_template: int, seed: int, greedy: bool = True) -> None:
+             max_minutes: float, num_template: int, seed: int, greedy: bool = True, num_varied: int = 0) -> None:
     from rich.progress import Progress
 
     from specrt import Generator
@@ -145,7 +148,7 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
     done = set()
     if out.exists():
         done = {json.loads(line)["prompt_id"] for line in out.read_text().splitlines() if line.strip()}
-    todo = [p for p in all_prompts(num_template, seed) if p["prompt_id"] not in done]
+    todo = [p for p in all_prompts(num_template, seed, num_varied) if p["prompt_id"] not in done]
     deadline = time.time() + 60 * max_minutes
     tokens = 0
     with out.open("a") as f, Progress() as bar:
@@ -180,7 +183,7 @@ def _bf16_target():
 
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
                      num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
-                     max_calls: int = 0) -> None:
+                     max_calls: int = 0, num_varied: int = 0) -> None:
     """The same rows as `generate`, produced by the target's transformers model in bfloat16, `batch` answers
     per call (greedy: `batch` prompts; sampled: batch // samples prompts x `samples` answers). On a CPU with
     bf16 matrix units this is about ten times the tokens per second of B=1 decoding. The target's top-k logits
@@ -200,7 +203,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
         if int(stale.stem) >= len(lines):
             stale.unlink()
     done = {(r["prompt_id"], r["mode"]) for r in map(json.loads, lines)}
-    prompts = all_prompts(num_template, seed)
+    prompts = all_prompts(num_template, seed, num_varied)
     encoded = {p["prompt_id"]: _ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
                                                               add_generation_prompt=True, tokenize=True))
                for p in prompts}
@@ -300,6 +303,7 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-minutes", type=float, default=22.0)
     ap.add_argument("--num-template", type=int, default=400)
+    ap.add_argument("--num-varied", type=int, default=0, help="prompts from prompts.py (source 'varied')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                     help="also answer each prompt greedily (one row, B=1: slow on a CPU; the sampled rows share "
@@ -320,10 +324,10 @@ def main(argv=None) -> None:
         return
     if a.batched:
         generate_batched(a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
-                         a.batched, a.greedy, max_calls=a.max_calls)
+                         a.batched, a.greedy, max_calls=a.max_calls, num_varied=a.num_varied)
         return
     generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
-             a.greedy)
+             a.greedy, a.num_varied)
 
 
 if __name__ == "__main__":
