@@ -57,10 +57,11 @@ train-data: | $(STAMP)
 	$(GEN) --samples 16 --no-greedy --max-calls 8
 	$(GEN) --samples 4 --no-greedy --max-calls 18
 	$(GEN) --num-varied 1600 --samples 0 --max-calls 31
+	$(GEN) --num-varied 3200 --samples 0 --max-calls 44
 
 train-draft: train-data
 	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \
-	    --layers 0,1,2 --kept-vocab 12288 --steps 600 --batch-tokens 8192 --lr 1e-3 --warmup 20 --weight-decay 0.05 \
+	    --layers 0,1,2 --kept-vocab 12288 --steps 800 --batch-tokens 8192 --lr 1e-3 --warmup 20 --weight-decay 0.05 \
 	    --eval-every 40 --save-every 20 --max-minutes 120
 
 train-medusa: train-data

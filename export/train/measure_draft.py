@@ -1,6 +1,7 @@
 """Measure a target + draft engine set on the MT-Bench prompts: acceptance α at a fixed γ (per token, and
 accepted over proposed), acceptance per draft position, the cost ratio c, and the speedup of `draft` over
-`autoregressive` at each temperature.
+`autoregressive` at each temperature; at temperature 0 also the draft's teacher-forced agreement with the
+target (its argmax against the next token of the target's own greedy answer, at every answer position).
 Runs are interleaved prompt by prompt (plain, then speculative, same prompt and seed) so that a shared machine
 slows both alike.
 
@@ -12,6 +13,8 @@ import argparse
 import json
 from importlib import resources
 from pathlib import Path
+
+import torch
 
 
 def mt_bench(n: int) -> list[str]:
@@ -33,6 +36,14 @@ def per_token_alpha(mean_accepted: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
+def agreement(draft, prompt_ids: list[int], answer: list[int]) -> tuple[int, int]:
+    """(matches, positions): the draft engine's argmax after prompt + answer[:j] against answer[j], j ≥ 1."""
+    if len(answer) < 2:
+        return 0, 0
+    logits = draft.run_sequence(prompt_ids + answer[:-1], num_logits=len(answer) - 1).logits[0]
+    return int((logits.argmax(-1) == torch.tensor(answer[1:])).sum()), len(answer) - 1
+
+
 def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, temperatures: list[float],
             seed: int = 0) -> dict:
     from rich.progress import track
@@ -49,12 +60,15 @@ def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, tem
         acc = prop = 0
         per_pos = [[0, 0] for _ in range(gamma)]
         time_plain = time_spec = tokens_plain = tokens_spec = 0.0
-        same = 0
+        same = hits = positions = 0
         for i, text in enumerate(track(prompts, description=f"T={temp}")):
             kw = dict(prompt=text, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + i)
             plain = gen.generate(method="autoregressive", **kw)
             spec = gen.generate(method="draft", gamma=gamma, **kw)
             same += plain.token_ids == spec.token_ids
+            if temp == 0:
+                h, n = agreement(gen.draft, gen.encode(text), plain.token_ids[0])
+                hits, positions = hits + h, positions + n
             time_plain += plain.stats["tokens"] / plain.stats["tokens_per_s"]
             time_spec += spec.stats["tokens"] / spec.stats["tokens_per_s"]
             tokens_plain += plain.stats["tokens"]
@@ -80,6 +94,7 @@ def measure(engines: str, num_prompts: int, max_new_tokens: int, gamma: int, tem
             "speedup": tps_spec / tps_plain,
             "predicted_speedup": costs.predicted_speedup(alpha, gamma) if alpha is not None else None,
             "identical_outputs": same,
+            "teacher_forced_agreement": hits / positions if positions else None,
         }
     return out
 
