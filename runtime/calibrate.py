@@ -42,8 +42,10 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
             offset = 2                          # head i at position t predicts token t + i + 2
         else:
             logits = gen.draft.run_sequence(seq, len(seq)).logits[0]                                  # (S, V)
-            top = torch.topk(logits, width, dim=-1).indices[:, None].expand(-1, depth, -1)  # depth-independent
-            offset = 1                          # on an accepted path the draft sees the true prefix
+            ranks = torch.topk(logits, width, dim=-1).indices                   # position s predicts token s + 1
+            # on an accepted path the draft proposes depth d at position t + d, having seen the true prefix
+            top = torch.stack([ranks.roll(-d, 0) for d in range(depth)], 1)                     # (S, D, k)
+            offset = 1
         for t in range(start - 1, len(seq) - 1):
             for d in range(depth):
                 target = t + d + offset
@@ -55,7 +57,7 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
 
 def verify_costs(gen, sizes) -> dict[int, float]:
     context = max(0, min(64, gen.target.spec["max_seq_len"] - max(sizes)))
-    return {k: gen.target.time_pass(context, k, reps=2) for k in sizes}
+    return {k: gen.target.time_pass(context, k, reps=5) for k in sizes}
 
 
 def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0) -> Tree:

@@ -9,7 +9,7 @@ import torch
 from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
-from specrt.calibrate import calibrate, save_tree
+from specrt.calibrate import calibrate, rank_accuracy, save_tree
 from specrt.errors import InputError
 from specrt.export.medusa import MedusaHeads, save_heads
 from specrt.generate import Generator
@@ -77,6 +77,14 @@ def test_automatic_tree_is_saved_and_used(medusa_set):
         out = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24, method=method, tree=True)
         assert out.stats["tree_size"] == tree.size - 1
         assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
+
+
+def test_draft_accuracy_by_depth(tmp_path):
+    """A draft equal to the target proposes the target's greedy token at every depth of an accepted path."""
+    same = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    directory, _ = export_tiny(tmp_path, "llama", seed=1, draft=same, vocab=V, init=0.3, max_seq_len=48)
+    acc = rank_accuracy(Generator.from_engines(directory), "draft", [[1, 2, 3], [4, 5, 6, 7]], depth=4, width=2)
+    assert (acc[:, 0] > 0.95).all(), acc
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=6)],
