@@ -50,7 +50,7 @@ TRAIN   := $(PY) -m specrt.export.train
 
 # Self-distillation data (export/train/data.py): the target answers the Self-Instruct seed tasks and the project's
 # own prompts, in bf16 batches of 128 answers, keeping its top-16 logits as labels. Never the MT-Bench dev set.
-# Every step resumes where it stopped; the call counts fix how much data there is (about 30 min on 2 cores).
+# Every step resumes where it stopped; the call counts fix how much data there is (about 70 min on 2 cores).
 GEN := $(TRAIN).data --out $(DISTILL)/data.jsonl --batched 128 --max-new-tokens 160 --num-template 600 --max-minutes 600
 train-data: | $(STAMP)
 	$(GEN) --samples 0 --max-calls 7
@@ -66,7 +66,7 @@ train-draft: train-data
 
 train-medusa: train-data
 	$(TRAIN).train_medusa --data $(DISTILL)/data.jsonl --work build/medusa-train --out $(MEDUSA) \
-	    --epochs 1 --max-positions 160000 --batch 256 --lr 1e-3
+	    --epochs 1 --max-positions 160000 --batch 256 --lr 1e-3 --max-rows 2183
 
 clean:
 	rm -rf $(VENV) engines/default

@@ -37,6 +37,7 @@ class MedusaConfig:
     batch: int = 256
     lr: float = 1e-3
     max_positions: int = 0       # train on a seeded subset of this many positions (0: all)
+    max_rows: int = 0            # only the first N rows of the data, in generation order (0: all)
     seed: int = 0
     threads: int = 2
 
@@ -51,7 +52,7 @@ def features(cfg: MedusaConfig) -> dict:
     path = Path(cfg.work) / "features.pt"
     if path.is_file():
         return torch.load(path)
-    rows, teacher = load_rows(cfg.data), load_labels(cfg.data)
+    rows, teacher = load_rows(cfg.data)[:cfg.max_rows or None], load_labels(cfg.data)
     missing = [i for i in range(len(rows)) if i not in teacher]
     if missing:
         raise SystemExit(f"{len(missing)} rows of {cfg.data} have no target labels: generate the data with "
