@@ -78,7 +78,8 @@ def test_int8_drafter_engines(tmp_path):
     manifest = build(out, "onnxruntime", log=lambda *_: None)
     assert manifest["models"]["draft"]["engine"]["weights"] == "int8"
     assert manifest["models"]["target"]["engine"]["weights"] == "float32"
-    ops = {n.name: n.op_type for n in onnx.load(os.path.join(out, "draft.ort.onnx"), load_external_data=False).graph.node}
+    graph = onnx.load(os.path.join(out, "draft.ort.onnx"), load_external_data=False).graph
+    ops = {n.name: n.op_type for n in graph.node}
     assert ops["/layers.0/mlp/down_proj/MatMul"] == "MatMul"                     # kept float32
     assert ops["/layers.0/mlp/up_proj/MatMul_quant"] == "MatMulIntegerToFloat"   # int8 weights
 

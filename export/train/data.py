@@ -1,6 +1,6 @@
 """Self-distillation data: the target answers training prompts, and its answers become the drafter's labels.
 
-Prompts come from two places, each row records which:
+Prompts come from three places, each row records which:
   seed       the 175 Self-Instruct seed tasks (instruction + input), `data/seed_tasks.jsonl`, Apache-2.0
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
   varied     longer, more varied requests composed by `prompts.py` (writing, role play, reasoning, math, code,

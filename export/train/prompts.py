@@ -23,8 +23,8 @@ KINDS = [
     "travel guide entry", "dialogue between two friends", "limerick", "cover letter", "motivational message",
 ]
 CONSTRAINTS = [
-    "in under 100 words", "in exactly three paragraphs", "using a friendly, informal tone", "for an audience of "
-    "teenagers", "with a catchy title", "that ends with a question to the reader", "using bullet points",
+    "in under 100 words", "in exactly three paragraphs", "using a friendly, informal tone", ("for an audience of "
+    "teenagers"), "with a catchy title", "that ends with a question to the reader", "using bullet points",
     "in a formal tone", "with a surprising twist at the end", "that a child could understand",
     "in the style of a sports commentator", "with a short summary at the start", "in five sentences",
     "that includes at least one statistic", "using simple words only", "with headings for each section",
@@ -38,8 +38,8 @@ FOLLOW_UPS = [
 PERSONAS = [
     "a medieval knight", "a tour guide in Rome", "a detective in the 1920s", "a personal fitness coach",
     "a customer support agent for an internet provider", "an astronaut on a space station", "a pirate captain",
-    "a friendly librarian", "a strict but fair chess teacher", "a chef in a busy restaurant", "a time traveller "
-    "from the year 2300", "a wildlife photographer", "a career counsellor", "a travel agent", "a wise old owl",
+    "a friendly librarian", "a strict but fair chess teacher", "a chef in a busy restaurant", ("a time traveller "
+    "from the year 2300"), "a wildlife photographer", "a career counsellor", "a travel agent", "a wise old owl",
     "a startup founder pitching to investors", "a museum curator", "a weather forecaster", "a village doctor",
 ]
 PERSONA_TASKS = [
@@ -86,12 +86,12 @@ HUMANITIES_TEMPLATES = [
     "Describe {h} from two different points of view.", "Give a timeline of the key events of {h}.",
 ]
 CODE_TASKS = [
-    "reverses the words of a sentence", "checks whether two strings are anagrams", "finds the second largest "
-    "number in a list", "computes the median of a list of numbers", "counts the lines of a text file",
-    "converts a Roman numeral to an integer", "implements binary search", "finds the longest common prefix of "
-    "a list of strings", "checks whether brackets in a string are balanced", "returns the prime factors of a "
-    "number", "implements a stack with push and pop", "merges overlapping intervals", "rotates a list by k "
-    "positions", "removes vowels from a string", "finds all pairs in a list that sum to a target",
+    "reverses the words of a sentence", "checks whether two strings are anagrams", ("finds the second largest "
+    "number in a list"), "computes the median of a list of numbers", "counts the lines of a text file",
+    "converts a Roman numeral to an integer", "implements binary search", ("finds the longest common prefix of "
+    "a list of strings"), "checks whether brackets in a string are balanced", ("returns the prime factors of a "
+    "number"), "implements a stack with push and pop", "merges overlapping intervals", ("rotates a list by k "
+    "positions"), "removes vowels from a string", "finds all pairs in a list that sum to a target",
     "computes the n-th row of Pascal's triangle", "parses a date string like 2024-03-15", "implements bubble sort",
     "transposes a matrix", "counts the islands in a grid of 0s and 1s",
 ]
@@ -138,40 +138,40 @@ def _reasoning(r: random.Random) -> str:
     a, b, c, d = r.sample(NAMES, 4)
     n, m = r.randint(3, 9), r.randint(2, 8)
     return r.choice([
-        f"{a} is taller than {b}. {c} is shorter than {b} but taller than {d}. Who is the tallest and who is the "
-        f"shortest? Explain your reasoning.",
-        f"If {n} workers can paint {n} fences in {m} hours, how long do {2 * n} workers need to paint {2 * n} "
-        f"fences? Think step by step.",
+        (f"{a} is taller than {b}. {c} is shorter than {b} but taller than {d}. Who is the tallest and who is the "
+        f"shortest? Explain your reasoning."),
+        (f"If {n} workers can paint {n} fences in {m} hours, how long do {2 * n} workers need to paint {2 * n} "
+        f"fences? Think step by step."),
         f"{a} is {b}'s sister. {c} is {a}'s father. What is the relationship between {c} and {b}?",
-        f"Today is {r.choice(['Monday', 'Tuesday', 'Wednesday', 'Thursday', 'Friday'])}. What day of the week "
-        f"will it be in {n * 7 + m} days? Explain.",
-        f"{a} walks {n} km north, then {m} km east, then {n} km south. How far is {a} from the starting point, "
-        f"and in which direction?",
-        f"All {r.choice(['cats', 'birds', 'engineers', 'poets'])} in this town like music. {a} lives in this town "
-        f"and does not like music. What can we conclude about {a}? Explain.",
-        f"A bag has {n} red balls and {m} blue balls. If you draw two balls without looking, what is the "
-        f"probability that both are red? Show your work.",
-        f"{a}, {b} and {c} each own one pet: a cat, a dog or a fish. {a} is allergic to fur, and {b} does not own "
-        f"the dog. Who owns which pet?",
+        (f"Today is {r.choice(['Monday', 'Tuesday', 'Wednesday', 'Thursday', 'Friday'])}. What day of the week "
+        f"will it be in {n * 7 + m} days? Explain."),
+        (f"{a} walks {n} km north, then {m} km east, then {n} km south. How far is {a} from the starting point, "
+        f"and in which direction?"),
+        (f"All {r.choice(['cats', 'birds', 'engineers', 'poets'])} in this town like music. {a} lives in this town "
+        f"and does not like music. What can we conclude about {a}? Explain."),
+        (f"A bag has {n} red balls and {m} blue balls. If you draw two balls without looking, what is the "
+        f"probability that both are red? Show your work."),
+        (f"{a}, {b} and {c} each own one pet: a cat, a dog or a fish. {a} is allergic to fur, and {b} does not own "
+        f"the dog. Who owns which pet?"),
     ])
 
 
 def _math(r: random.Random) -> str:
     a, b, c = r.randint(2, 30), r.randint(2, 15), r.randint(1, 60)
     return r.choice([
-        f"A shop sells {r.choice(PRODUCTS)} for ${a * 10}. It is discounted by {c % 50 + 5}%. What is the new "
-        f"price? Then find the price after a further 10% discount.",
+        (f"A shop sells {r.choice(PRODUCTS)} for ${a * 10}. It is discounted by {c % 50 + 5}%. What is the new "
+        f"price? Then find the price after a further 10% discount."),
         f"Find the area of a triangle with vertices at (0, 0), ({a}, 0) and (0, {b}).",
         f"Solve the system of equations: x + y = {a + b}, x - y = {a - b}.",
         f"What is the sum of all integers from 1 to {a * 10}? Explain the method.",
         f"A car travels {a * 10} km in {b} hours. What is its average speed? How long would {c * 10} km take?",
         f"If f(x) = {b}x^2 - {a}x + {c}, what is f({b})? Show each step.",
         f"Convert {a * 100} minutes into hours and minutes.",
-        f"The ratio of boys to girls in a class is {b}:{a}, and there are {(a + b) * 3} students. How many are "
-        f"girls?",
+        (f"The ratio of boys to girls in a class is {b}:{a}, and there are {(a + b) * 3} students. How many are "
+        f"girls?"),
         f"What is {a}% of {c * 20}, and what percentage of {c * 20} is {a * 2}?",
-        f"A rectangle's length is {a} cm more than its width, and its perimeter is {4 * b + 2 * a} cm. Find its "
-        f"dimensions.",
+        (f"A rectangle's length is {a} cm more than its width, and its perimeter is {4 * b + 2 * a} cm. Find its "
+        f"dimensions."),
         f"Is {a * b + 1} a prime number? Explain how you checked.",
     ])
 
@@ -186,15 +186,15 @@ def _passage(r: random.Random) -> str:
     a, b = r.sample(NAMES, 2)
     city, company, month = r.choice(CITIES), r.choice(COMPANIES), r.choice(MONTHS)
     return r.choice([
-        f"On {r.randint(1, 28)} {month} {r.randint(2015, 2025)}, {a} opened a new office of {company} in {city}. "
+        (f"On {r.randint(1, 28)} {month} {r.randint(2015, 2025)}, {a} opened a new office of {company} in {city}. "
         f"The company hired {r.randint(10, 90)} people that year, and its sales grew by {r.randint(5, 40)}%. "
-        f"{b}, who leads the design team, said the move was the best decision they had made.",
-        f"Review 1: The {r.choice(PRODUCTS)} arrived late but works perfectly. Review 2: Broke after two weeks, "
-        f"very disappointed. Review 3: Decent quality for the price, though the instructions were confusing.",
-        f"{a} flew from {city} to {r.choice(CITIES)} in {month}, stayed for {r.randint(2, 14)} days, and spent "
-        f"${r.randint(300, 3000)} on the trip. {b} joined for the last three days.",
-        f"{company} reported revenue of ${r.randint(2, 90)} million in {r.randint(2018, 2025)}, up from "
-        f"${r.randint(1, 60)} million the year before. The CEO, {a}, credited the growth to {r.choice(PRODUCTS)}.",
+        f"{b}, who leads the design team, said the move was the best decision they had made."),
+        (f"Review 1: The {r.choice(PRODUCTS)} arrived late but works perfectly. Review 2: Broke after two weeks, "
+        f"very disappointed. Review 3: Decent quality for the price, though the instructions were confusing."),
+        (f"{a} flew from {city} to {r.choice(CITIES)} in {month}, stayed for {r.randint(2, 14)} days, and spent "
+        f"${r.randint(300, 3000)} on the trip. {b} joined for the last three days."),
+        (f"{company} reported revenue of ${r.randint(2, 90)} million in {r.randint(2018, 2025)}, up from "
+        f"${r.randint(1, 60)} million the year before. The CEO, {a}, credited the growth to {r.choice(PRODUCTS)}."),
     ])
 
 
