@@ -80,11 +80,12 @@ class Generator:
             if "engine" not in spec:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
             path = check_file(directory, spec["engine"], f"{role} engine")
+            role_threads = threads if role == "target" else drafter_threads
             if role == "medusa":
-                engines[role] = OrtHeads(path, spec, device=device, threads=drafter_threads)
+                engines[role] = OrtHeads(path, spec, device=device, threads=role_threads)
                 continue
             backend = TensorRTEngine if spec["engine"]["backend"] == "tensorrt" else OrtEngine
-            engines[role] = backend(path, spec, device=device, threads=threads if role == "target" else drafter_threads)
+            engines[role] = backend(path, spec, device=device, threads=role_threads)
         tokenizer = None
         if manifest.get("tokenizer"):
             for entry in manifest["tokenizer"]:
