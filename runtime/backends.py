@@ -123,7 +123,8 @@ class OrtEngine:
 
 
 class OrtHeads:
-    """The Medusa heads graph: `hidden` (B, d) -> `medusa_logits` (B, K, V)."""
+    """The Medusa heads graph: `hidden` (B, d), and `token` (B,) for heads that read the root token ->
+    `medusa_logits` (B, K, V)."""
 
     def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
         import onnxruntime as ort
@@ -133,9 +134,14 @@ class OrtHeads:
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
+        self.root_token = bool(spec.get("root_token"))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.session.run(None, {"hidden": hidden.detach().cpu().contiguous().numpy()})[0]
+    def forward(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """`token` (B,): the token that follows `hidden`'s position (read only by heads with root_token)."""
+        feeds = {"hidden": hidden.detach().cpu().contiguous().numpy()}
+        if self.root_token:
+            feeds["token"] = token.detach().cpu().contiguous().numpy()
+        out = self.session.run(None, feeds)[0]
         return torch.from_numpy(out).to(self.device)
 
 

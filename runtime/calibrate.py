@@ -38,7 +38,8 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
         truth = torch.tensor(seq)
         if method == "medusa":
             hidden = gen.target.run_sequence(seq, len(seq)).hidden[0]                                # (S, d)
-            top = torch.topk(gen.medusa.forward(hidden)[:, :depth], width, dim=-1).indices  # (S, D, k)
+            roots = truth.roll(-1)                                  # position t's root: token t + 1
+            top = torch.topk(gen.medusa.forward(hidden, roots)[:, :depth], width, dim=-1).indices   # (S, D, k)
             offset = 2                          # head i at position t predicts token t + i + 2
         else:
             logits = gen.draft.run_sequence(seq, len(seq)).logits[0]                                  # (S, V)

@@ -140,8 +140,9 @@ class NgramDrafter:
 
 
 class MedusaDrafter:
-    """Medusa heads on the target's hidden state at the last accepted position: head i's top-k are the
-    candidates at depth i+1 of a fixed tree (deterministic proposals)."""
+    """Medusa heads on the target's hidden state at the last accepted position (and on the token the target
+    chose there, the tree's root): head i's top-k are the candidates at depth i+1 of a fixed tree
+    (deterministic proposals)."""
 
     name = "medusa"
 
@@ -155,7 +156,8 @@ class MedusaDrafter:
         pass
 
     def propose(self, run, gamma: int) -> Proposal:
-        logits = self.heads.forward(run.hidden)[:, :self.tree.max_depth]                # (B, D, V)
+        root = run.tokens.gather(1, (run.lengths - 1)[:, None])[:, 0]                   # (B,)
+        logits = self.heads.forward(run.hidden, root)[:, :self.tree.max_depth]          # (B, D, V)
         candidates = torch.topk(logits, self.tree.max_rank, dim=-1).indices             # (B, D, k)
         nodes = self.tree.node_tokens(candidates)                                       # (B, N)
         return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)

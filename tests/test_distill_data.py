@@ -36,3 +36,19 @@ def test_batched_rows_carry_the_targets_labels(tmp_path):
         else:                        # a sampled token is usually among the top 16
             assert (top == answer[:, None]).any(-1).float().mean() > 0.8
     assert json.loads(greedy.read_text().splitlines()[0])["dtype"] == "bfloat16"
+
+    # The Medusa heads' features: the root of position t is token t + 1, head 0's label is token t + 2; a cache
+    # made for the first rows is extended when rows are appended, and cut back by --max-rows
+    from specrt.export.train.train_medusa import MedusaConfig, features
+    first = features(MedusaConfig(data=str(greedy), work=str(tmp_path / "m"), max_rows=2))
+    grown = features(MedusaConfig(data=str(greedy), work=str(tmp_path / "m")))
+    fresh = features(MedusaConfig(data=str(greedy), work=str(tmp_path / "fresh")))
+    again = features(MedusaConfig(data=str(greedy), work=str(tmp_path / "m"), max_rows=2))
+    assert (first["rows"], grown["rows"], again["rows"]) == (2, 3, 2)
+    assert torch.equal(again["hidden"], first["hidden"]) and torch.equal(again["root"], first["root"])
+    for i, row in enumerate(rows[:3]):
+        answer = row["ids"][row["prompt_len"]:]
+        mine, ref = grown["row"] == i, fresh["row"] == i
+        assert grown["root"][mine].tolist() == fresh["root"][ref].tolist() == answer
+        assert grown["labels"][mine, 0].tolist() == answer[1:] + [-100]
+        assert torch.nn.functional.cosine_similarity(grown["hidden"][mine], fresh["hidden"][ref]).min() > 0.99

@@ -11,7 +11,8 @@ from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.calibrate import calibrate, rank_accuracy, save_tree
 from specrt.errors import InputError
-from specrt.export.medusa import MedusaHeads, save_heads
+from specrt.export.medusa import MedusaHeads, load_heads, save_heads
+from specrt.export.model import from_hf
 from specrt.generate import Generator
 from specrt.sampling import SamplingParams
 from specrt.tree import Tree
@@ -26,12 +27,38 @@ def medusa_set(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("medusa")
     target = tiny_model("llama", seed=1, vocab=V, init=0.3)
     torch.manual_seed(5)
-    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight)
+    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight)
     save_heads(heads, tmp / "heads")
     draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
     directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=48,
                                    medusa=tmp / "heads")
     return Generator.from_engines(directory), model
+
+
+@pytest.mark.parametrize("root_token", [True, False], ids=["root-token", "hidden-only"])
+def test_medusa_heads_engine(tmp_path, root_token):
+    """The heads' engine computes what the heads compute; with root_token the proposal depends on the root."""
+    target = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    torch.manual_seed(5)
+    d = target.config.hidden_size
+    heads = MedusaHeads(3, d, target.lm_head.weight, target.model.embed_tokens.weight if root_token else None)
+    save_heads(heads, tmp_path / "heads")
+    directory, model = export_tiny(tmp_path, "llama", seed=1, vocab=V, init=0.3, max_seq_len=48,
+                                   medusa=tmp_path / "heads")
+    gen = Generator.from_engines(directory)
+    assert gen.medusa.root_token == root_token and gen.medusa.num_heads == 3
+    hidden, roots = torch.randn(5, d), torch.tensor([0, 3, 7, 7, 5])
+    hidden[3], hidden[4] = hidden[2], hidden[1]
+    got = gen.medusa.forward(hidden, roots)                                             # (5, 3, V), int8 weights
+    with torch.no_grad():
+        want = load_heads(tmp_path / "heads", from_hf(model, 48))(hidden, roots)
+    assert got.shape == want.shape == (5, 3, V)
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99
+    assert torch.equal(got[2], got[3])
+    assert torch.equal(got[1], got[4]) != root_token
+    ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20).token_ids[0]
+    out = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="medusa")
+    assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
 
 
 def test_tree_from_paths():

@@ -1,6 +1,7 @@
-"""Train Medusa heads on the frozen target: K residual blocks on its last hidden state, each feeding the
-target's own LM head; head k at position t learns the target's distribution of the token t + k + 2 of
-self-distilled answers (its top-k logits there, written by `data.py --batched`).
+"""Train Medusa heads on the frozen target: K residual blocks on its last hidden state (and, with
+`--root-token`, the default, on the target's embedding of the token that follows it), each feeding the target's
+own LM head; head k at position t learns the target's distribution of the token t + k + 2 of self-distilled
+answers (its top-k logits there, written by `data.py --batched`).
 
     python -m specrt.export.train.train_medusa --data build/distill/data.jsonl \
         --work build/medusa-train --out export/drafters/smollm2-135m-medusa
@@ -38,22 +39,48 @@ class MedusaConfig:
     lr: float = 1e-3
     max_positions: int = 0       # train on a seeded subset of this many positions (0: all)
     max_rows: int = 0            # only the first N rows of the data, in generation order (0: all)
+    root_token: bool = True      # the heads also read the token that follows the hidden state (the tree's root)
     seed: int = 0
     threads: int = 2
 
 
 def features(cfg: MedusaConfig) -> dict:
-    """Hidden states (T, d) at answer positions; labels (T, K): the token that followed (-100 past the end);
-    soft labels (T, K, k): the target's top-k logits for that token, from the labels `data.py --batched` wrote.
-    Hidden states come from the target's transformers model in bf16, many rows per pass; cached in --work."""
-    from specrt.export.sources import load_source
-    from specrt.export.train.train_draft import is_val, load_labels, load_rows
+    """Hidden states (T, d) at answer positions; roots (T,): the token that followed; labels (T, K): the token
+    k + 2 places on (-100 past the end); soft labels (T, K, k): the target's top-k logits for that token, from
+    the labels `data.py --batched` wrote. Hidden states come from the target's transformers model in bf16, many
+    rows per pass; cached in --work, and extended when the data has grown (rows are only ever appended)."""
+    from specrt.export.train.train_draft import is_val, load_rows
 
     path = Path(cfg.work) / "features.pt"
-    if path.is_file():
-        return torch.load(path)
-    rows, teacher = load_rows(cfg.data)[:cfg.max_rows or None], load_labels(cfg.data)
-    missing = [i for i in range(len(rows)) if i not in teacher]
+    rows = load_rows(cfg.data)[:cfg.max_rows or None]
+    feats = torch.load(path) if path.is_file() else None
+    if feats is None or feats["rows"] < len(rows):
+        new = _hidden_states(cfg, rows, feats["rows"] if feats else 0)
+        feats = new if feats is None else {
+            **feats, **{k: torch.cat([feats[k], new[k]]) for k in ("hidden", "labels", "soft_index", "soft_values",
+                                                                 "row")}}
+        feats["rows"] = len(rows)
+        feats.pop("root", None)
+    if "root" not in feats:       # cached by an earlier version, or extended: the roots come from the rows
+        feats["root"] = roots(rows, feats["row"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(feats, path)
+    if feats["rows"] > len(rows):  # --max-rows below what the cache holds
+        keep = feats["row"] < len(rows)
+        feats = {**feats, **{k: feats[k][keep] for k in ("hidden", "labels", "soft_index", "soft_values", "row",
+                                                         "root")}, "rows": len(rows)}
+    feats["greedy_rows"] = torch.tensor([i for i, r in enumerate(rows) if r["mode"] == "greedy"])
+    feats["val_rows"] = torch.tensor([i for i, r in enumerate(rows) if is_val(r["prompt_id"])])
+    return feats
+
+
+def _hidden_states(cfg: MedusaConfig, rows: list[dict], first: int) -> dict:
+    """The features of rows `first`.. (see `features`)."""
+    from specrt.export.sources import load_source
+    from specrt.export.train.train_draft import load_labels
+
+    teacher = load_labels(cfg.data)
+    missing = [i for i in range(first, len(rows)) if i not in teacher]
     if missing:
         raise SystemExit(f"{len(missing)} rows of {cfg.data} have no target labels: generate the data with "
                          "`python -m specrt.export.train.data --batched N`")
@@ -62,9 +89,9 @@ def features(cfg: MedusaConfig) -> dict:
     model = src.model.model.to(torch.bfloat16)
     K, k = cfg.heads, next(iter(teacher.values()))[0].shape[-1]
     hidden, labels, soft_i, soft_v, row_of = [], [], [], [], []
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
+    order = sorted(range(first, len(rows)), key=lambda i: len(rows[i]["ids"]))
     with Progress() as bar, torch.no_grad():
-        task = bar.add_task("target hidden states", total=len(rows))
+        task = bar.add_task("target hidden states", total=len(order))
         for s in range(0, len(order), 32):
             batch = order[s:s + 32]
             S = max(len(rows[i]["ids"]) for i in batch)
@@ -91,22 +118,25 @@ def features(cfg: MedusaConfig) -> dict:
                 soft_v.append(sv)
                 row_of.append(torch.full((len(t),), i))
             bar.advance(task, len(batch))
-    feats = {"hidden": torch.cat(hidden), "labels": torch.cat(labels), "soft_index": torch.cat(soft_i),
-             "soft_values": torch.cat(soft_v), "row": torch.cat(row_of), "rows": len(rows),
-             "greedy_rows": torch.tensor([i for i, r in enumerate(rows) if r["mode"] == "greedy"]),
-             "val_rows": torch.tensor([i for i, r in enumerate(rows) if is_val(r["prompt_id"])]),
-             "lm_head": lm_head}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(feats, path)
-    return feats
+    return {"hidden": torch.cat(hidden), "labels": torch.cat(labels), "soft_index": torch.cat(soft_i),
+            "soft_values": torch.cat(soft_v), "row": torch.cat(row_of), "rows": len(rows), "lm_head": lm_head}
 
 
-def accuracy(heads: MedusaHeads, hidden, labels, batch: int = 1024) -> dict:
+def roots(rows: list[dict], row: torch.Tensor) -> torch.Tensor:
+    """The token after each feature position: the answer tokens of each row, in the order `features` wrote
+    them (one run of positions start-1 .. n-2 per row)."""
+    runs, counts = torch.unique_consecutive(row, return_counts=True)
+    out = [torch.tensor(rows[i]["ids"][rows[i]["prompt_len"]:]) for i in runs.tolist()]
+    assert [len(o) for o in out] == counts.tolist(), "features do not match the data rows"
+    return torch.cat(out)
+
+
+def accuracy(heads: MedusaHeads, hidden, root, labels, batch: int = 1024) -> dict:
     K = labels.shape[1]
     hit1, hit5, total = torch.zeros(K), torch.zeros(K), torch.zeros(K)
     with torch.no_grad():
         for s in range(0, len(hidden), batch):
-            logits = heads(hidden[s:s + batch])                                       # (b, K, V)
+            logits = heads(hidden[s:s + batch], root[s:s + batch])                    # (b, K, V)
             top = logits.topk(5, dim=-1).indices                                      # (b, K, 5)
             lab = labels[s:s + batch]
             ok = lab >= 0
@@ -134,7 +164,7 @@ def train(cfg: MedusaConfig) -> None:
         train_idx = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed))[
             :cfg.max_positions]]
     val_greedy = val & torch.isin(f["row"], f["greedy_rows"])
-    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"])
+    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"], f["lm_head"] if cfg.root_token else None)
     for head in heads.heads:  # start as the identity: each head first predicts what the LM head predicts
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
@@ -160,7 +190,7 @@ def train(cfg: MedusaConfig) -> None:
             for s in range(0, len(order), cfg.batch):
                 idx = order[s:s + cfg.batch]
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logits = heads(f["hidden"][idx])                                  # (b, K, V)
+                    logits = heads(f["hidden"][idx], f["root"][idx])                  # (b, K, V)
                 loss = soft_loss(logits.flatten(0, 1), f["soft_index"][idx].flatten(0, 1),
                                  f["soft_values"][idx].flatten(0, 1))
                 opt.zero_grad(set_to_none=True)
@@ -171,8 +201,8 @@ def train(cfg: MedusaConfig) -> None:
             state["epoch"] += 1
             state["wall_s"] += time.time() - started
             started = time.time()
-            metrics = {"held_out": accuracy(heads, f["hidden"][val], f["labels"][val]),
-                       "held_out_greedy": accuracy(heads, f["hidden"][val_greedy], f["labels"][val_greedy])}
+            metrics = {name: accuracy(heads, f["hidden"][sel], f["root"][sel], f["labels"][sel])
+                       for name, sel in (("held_out", val), ("held_out_greedy", val_greedy))}
             state["history"].append({"epoch": state["epoch"], "train_loss": loss.item(), **metrics})
             for name, m in metrics.items():
                 bar.console.print(f"epoch {state['epoch']} {name}: top-1 {[round(x, 3) for x in m['top1']]}, "
@@ -190,7 +220,10 @@ def train(cfg: MedusaConfig) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in asdict(MedusaConfig()).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+        if isinstance(default, bool):
+            ap.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default)
+        else:
+            ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     train(MedusaConfig(**vars(ap.parse_args(argv))))
 
 
