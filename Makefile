@@ -66,7 +66,7 @@ train-draft: train-data
 
 train-medusa: train-data
 	$(TRAIN).train_medusa --data $(DISTILL)/data.jsonl --work build/medusa-train --out $(MEDUSA) \
-	    --epochs 1 --max-positions 160000 --batch 256 --lr 1e-3 --max-rows 2183
+	    --epochs 1 --max-positions 400000 --batch 256 --lr 1e-3
 
 clean:
 	rm -rf $(VENV) engines/default

@@ -1,7 +1,8 @@
 """Medusa heads: K residual blocks on the target's last hidden state, each feeding the target's own LM head.
 
 Checkpoint directory: `medusa_config.json` ({"num_heads": K, "hidden_size": d, "root_token": bool}) and
-`medusa_heads.safetensors` (`heads.{i}.weight` [d, d] or [d, 2d], `heads.{i}.bias` [d]). Head i predicts the
+`medusa_heads.safetensors` (`heads.{i}.weight` [d, d] or [d, 2d], `heads.{i}.bias` [d]), and optionally
+`tree.json`, the candidate tree that export records as the engine set's default. Head i predicts the
 token i+2 places after the position whose hidden state it reads (the target's own LM head predicts the next one).
 With `root_token`, each head also reads the target's embedding of that next token, which is known when the
 heads propose (it is the root of the candidate tree): head i is h + SiLU(W_i [h; embed(root)] + b_i).
@@ -18,7 +19,7 @@ from torch import nn
 
 from specrt.errors import InputError
 
-CONFIG, WEIGHTS = "medusa_config.json", "medusa_heads.safetensors"
+CONFIG, WEIGHTS, TREE = "medusa_config.json", "medusa_heads.safetensors", "tree.json"
 
 
 class MedusaHeads(nn.Module):
@@ -70,6 +71,18 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
     except RuntimeError as e:
         raise InputError(f"--medusa {directory}: the weights do not match {CONFIG} ({e})") from e
     return heads.eval()
+
+
+def shipped_tree(directory: str | Path, num_heads: int):
+    """The heads directory's tree.json (a Tree), or None."""
+    from specrt.tree import Tree
+    path = Path(directory) / TREE
+    if not path.is_file():
+        return None
+    tree = Tree.load(path)
+    if tree.max_depth > num_heads:
+        raise InputError(f"--medusa {directory}: {TREE} has depth {tree.max_depth}, the heads are {num_heads}")
+    return tree
 
 
 def export_heads(heads: MedusaHeads, path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
 from specrt.export.onnx_export import StagingDir, export_graph, model_entry
-from specrt.export.medusa import export_heads, load_heads
+from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
 from specrt.manifest import FORMAT_VERSION, file_entry, write_manifest
@@ -35,7 +35,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
     import onnx
     import transformers
     started = time.time()
-    models = {}
+    models, trees = {}, {}
     with StagingDir(out, force) as tmp:
         tokenizer = None
         for role, source in (("target", target), ("draft", draft)):
@@ -64,9 +64,15 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     "root_token": heads.root_token,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "graph": file_entry(tmp, "medusa.onnx")}
+                tree = shipped_tree(medusa, len(heads.heads))
+                if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
+                    tree.save(tmp / "tree_medusa.json")
+                    trees["medusa"] = file_entry(tmp, "tree_medusa.json")
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}
+        if trees:
+            manifest["trees"] = trees
         if tokenizer is not None:
             saved = tokenizer.save_pretrained(tmp / "tokenizer")
             manifest["tokenizer"] = [file_entry(tmp, str(Path(p).relative_to(tmp))) for p in saved

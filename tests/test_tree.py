@@ -43,10 +43,15 @@ def test_medusa_heads_engine(tmp_path, root_token):
     d = target.config.hidden_size
     heads = MedusaHeads(3, d, target.lm_head.weight, target.model.embed_tokens.weight if root_token else None)
     save_heads(heads, tmp_path / "heads")
+    (tmp_path / "heads" / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
+    with pytest.raises(InputError, match="tree.json has depth 4, the heads are 3"):
+        export_tiny(tmp_path, "llama", seed=1, vocab=V, init=0.3, max_seq_len=48, medusa=tmp_path / "heads")
+    Tree.from_paths(PATHS).save(tmp_path / "heads" / "tree.json")   # the heads' own tree: the engines' default
     directory, model = export_tiny(tmp_path, "llama", seed=1, vocab=V, init=0.3, max_seq_len=48,
                                    medusa=tmp_path / "heads")
     gen = Generator.from_engines(directory)
     assert gen.medusa.root_token == root_token and gen.medusa.num_heads == 3
+    assert gen.tree_for("medusa").paths == Tree.from_paths(PATHS).paths
     hidden, roots = torch.randn(5, d), torch.tensor([0, 3, 7, 7, 5])
     hidden[3], hidden[4] = hidden[2], hidden[1]
     got = gen.medusa.forward(hidden, roots)                                             # (5, 3, V), int8 weights

@@ -44,6 +44,9 @@ class MedusaConfig:
     threads: int = 2
 
 
+RESUME_KEYS = ("heads", "batch", "lr", "max_positions", "max_rows", "seed", "root_token")  # a checkpoint's settings
+
+
 def features(cfg: MedusaConfig) -> dict:
     """Hidden states (T, d) at answer positions; roots (T,): the token that followed; labels (T, K): the token
     k + 2 places on (-100 past the end); soft labels (T, K, k): the target's top-k logits for that token, from
@@ -177,6 +180,10 @@ def train(cfg: MedusaConfig) -> None:
     state = {"epoch": 0, "history": [], "wall_s": 0.0}
     if ckpt.is_file():
         saved = torch.load(ckpt)
+        made = {k: v for k, v in saved.get("config", {}).items() if k in RESUME_KEYS}
+        if made != {k: v for k, v in asdict(cfg).items() if k in RESUME_KEYS}:
+            raise SystemExit(f"{ckpt} was made with other settings ({made or 'an earlier version'}): delete it to "
+                             "start over, or pass another --work")
         heads.load_state_dict(saved["heads"])
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
@@ -208,7 +215,7 @@ def train(cfg: MedusaConfig) -> None:
                 bar.console.print(f"epoch {state['epoch']} {name}: top-1 {[round(x, 3) for x in m['top1']]}, "
                                   f"top-5 {[round(x, 3) for x in m['top5']]}")
             torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "state": state}, ckpt)
+                        "state": state, "config": asdict(cfg)}, ckpt)
     out = Path(cfg.out)
     save_heads(heads, out)
     record = {"config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"],
