@@ -61,6 +61,13 @@ def verify_costs(gen, sizes) -> dict[int, float]:
     return {k: gen.target.time_pass(context, k, reps=5) for k in sizes}
 
 
+def heads_time(gen) -> float:
+    """Seconds of one pass of the Medusa heads (best of 5), a cost every round pays whatever the tree."""
+    from specrt.adaptive import measure
+    hidden = torch.zeros(1, gen.target.spec["hidden_size"], device=gen.medusa.device)
+    return measure(lambda: gen.medusa.forward(hidden, torch.zeros(1, dtype=torch.int64)), reps=5)
+
+
 def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0) -> Tree:
     """Grow the tree by the node most likely to be on the accepted path (product of accuracies along it);
     keep the size whose (1 + expected accepted length) / (verification cost + fixed cost) is best."""
@@ -88,9 +95,12 @@ def calibrate(gen, method: str, prompts: list[list[int]], max_nodes: int = 48, w
     log("accuracy by depth (rows) and rank (columns):\n" + np.array2string(acc, precision=2))
     sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, max_nodes + 1})
     measured = verify_costs(gen, [s for s in sizes if s <= max_nodes + 1])
+    # a least-squares line through the measured passes: single passes jitter by more than the cost of a node,
+    # which made the chosen tree move from run to run
     xs = sorted(measured)
-    cost = lambda n: float(np.interp(n, xs, [measured[x] for x in xs]))  # noqa: E731
-    fixed = depth * gen.costs().draft_step if method == "draft" else 0.0
+    slope, intercept = np.polyfit(xs, [measured[x] for x in xs], 1)
+    cost = lambda n: float(intercept + max(slope, 0.0) * n)  # noqa: E731
+    fixed = depth * gen.costs().draft_step if method == "draft" else heads_time(gen)  # drafting, once a round
     tree = choose_tree(acc, cost, max_nodes, chain_only=(method == "draft"), fixed_cost=fixed)
     log(f"chosen tree: {tree.size - 1} nodes, depth {tree.max_depth}")
     return tree
