@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
-from specrt.calibrate import calibrate, rank_accuracy, save_tree
+from specrt.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
 from specrt.errors import InputError
 from specrt.export.medusa import MedusaHeads, load_heads, save_heads
 from specrt.export.model import from_hf
@@ -109,6 +110,15 @@ def test_automatic_tree_is_saved_and_used(medusa_set):
         out = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24, method=method, tree=True)
         assert out.stats["tree_size"] == tree.size - 1
         assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
+
+
+def test_choose_tree_trades_acceptance_for_cost():
+    acc = np.array([[0.8, 0.1], [0.8, 0.1], [0.8, 0.1]])
+    assert choose_tree(acc, lambda n: 1.0, max_nodes=6, chain_only=False).size == 7   # free nodes: all of them
+    steep = lambda n: 1.0 + 0.7 * (n - 1)  # noqa: E731
+    assert [tuple(p) for p in choose_tree(acc, steep, max_nodes=6, chain_only=False).paths] == [(0,)]
+    # a per-round cost that does not grow with the tree (drafting) makes more nodes worth their price
+    assert choose_tree(acc, steep, max_nodes=6, chain_only=True, fixed_cost=10.0).size == 4
 
 
 def test_draft_accuracy_by_depth(tmp_path):
