@@ -14,7 +14,7 @@ TORCH  ?= torch==2.13.0
 .DELETE_ON_ERROR:
 
 help:
-	@echo "make demo    set up, build the default engines, answer a chat prompt"
+	@echo "make demo    set up, build the default engines, answer a chat prompt (Medusa speculation)"
 	@echo "make test    set up, build the default engines, run the tests"
 	@echo "make engines export + build the default engine set into $(ENGINES)"
 	@echo "make bench   benchmark methods on the MT-Bench dev prompts"
@@ -37,7 +37,8 @@ $(ENGINES)/manifest.json: | $(STAMP)
 engines: $(ENGINES)/manifest.json
 
 demo: engines
-	$(SPECRT) generate $(ENGINES) --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96
+	$(SPECRT) generate $(ENGINES) --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 \
+	    --method medusa
 
 test: engines
 	$(PY) -m pytest -q
