@@ -167,7 +167,8 @@ def train(cfg: MedusaConfig) -> None:
         train_idx = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed))[
             :cfg.max_positions]]
     val_greedy = val & torch.isin(f["row"], f["greedy_rows"])
-    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"], f["lm_head"] if cfg.root_token else None)
+    embed = f["lm_head"] if cfg.root_token else None   # SmolLM2 ties its input embeddings to its LM head
+    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"], embed)
     for head in heads.heads:  # start as the identity: each head first predicts what the LM head predicts
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
