@@ -58,13 +58,13 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if role == "target" and medusa is not None:
                 heads = load_heads(medusa, model)
+                tree = shipped_tree(medusa, len(heads.heads))
                 log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
                 export_heads(heads, tmp / "medusa.onnx")
                 models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
                                     "root_token": heads.root_token,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "graph": file_entry(tmp, "medusa.onnx")}
-                tree = shipped_tree(medusa, len(heads.heads))
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")

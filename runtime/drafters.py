@@ -156,8 +156,7 @@ class MedusaDrafter:
         pass
 
     def propose(self, run, gamma: int) -> Proposal:
-        root = run.tokens.gather(1, (run.lengths - 1)[:, None])[:, 0]                   # (B,)
-        logits = self.heads.forward(run.hidden, root)[:, :self.tree.max_depth]          # (B, D, V)
+        logits = self.heads.forward(run.hidden, run.last_tokens())[:, :self.tree.max_depth]   # (B, D, V)
         candidates = torch.topk(logits, self.tree.max_rank, dim=-1).indices             # (B, D, k)
         nodes = self.tree.node_tokens(candidates)                                       # (B, N)
         return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)

@@ -53,6 +53,10 @@ class _Run:
     def batch(self) -> int:
         return self.tokens.shape[0]
 
+    def last_tokens(self) -> torch.Tensor:
+        """(B,) each row's last committed token."""
+        return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
 
 class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
@@ -251,8 +255,7 @@ class Generator:
         B, g = proposal.tokens.shape
         cache = run.cache
         cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
-        last = run.tokens.gather(1, (run.lengths - 1)[:, None])                         # (B, 1)
-        ids = torch.cat([last, proposal.tokens], 1)                                     # (B, S)
+        ids = torch.cat([run.last_tokens()[:, None], proposal.tokens], 1)               # (B, S)
         tree = proposal.tree
         depth = tree.depth if tree is not None else torch.arange(g + 1)
         mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1)

@@ -44,6 +44,7 @@ class MedusaConfig:
     threads: int = 2
 
 
+PER_POSITION = ("hidden", "labels", "soft_index", "soft_values", "row")   # the feature cache's per-position tensors
 RESUME_KEYS = ("heads", "batch", "lr", "max_positions", "max_rows", "seed", "root_token")  # a checkpoint's settings
 
 
@@ -60,8 +61,7 @@ def features(cfg: MedusaConfig) -> dict:
     if feats is None or feats["rows"] < len(rows):
         new = _hidden_states(cfg, rows, feats["rows"] if feats else 0)
         feats = new if feats is None else {
-            **feats, **{k: torch.cat([feats[k], new[k]]) for k in ("hidden", "labels", "soft_index", "soft_values",
-                                                                 "row")}}
+            **feats, **{k: torch.cat([feats[k], new[k]]) for k in PER_POSITION}}
         feats["rows"] = len(rows)
         feats.pop("root", None)
     if "root" not in feats:       # cached by an earlier version, or extended: the roots come from the rows
@@ -70,8 +70,7 @@ def features(cfg: MedusaConfig) -> dict:
         torch.save(feats, path)
     if feats["rows"] > len(rows):  # --max-rows below what the cache holds
         keep = feats["row"] < len(rows)
-        feats = {**feats, **{k: feats[k][keep] for k in ("hidden", "labels", "soft_index", "soft_values", "row",
-                                                         "root")}, "rows": len(rows)}
+        feats = {**feats, **{k: feats[k][keep] for k in (*PER_POSITION, "root")}, "rows": len(rows)}
     feats["greedy_rows"] = torch.tensor([i for i, r in enumerate(rows) if r["mode"] == "greedy"])
     feats["val_rows"] = torch.tensor([i for i, r in enumerate(rows) if is_val(r["prompt_id"])])
     return feats
