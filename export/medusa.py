@@ -1,12 +1,17 @@
 """Medusa heads: K residual blocks on the target's last hidden state, each feeding the target's own LM head.
 
-Checkpoint directory: `medusa_config.json` ({"num_heads": K, "hidden_size": d, "root_token": bool}) and
-`medusa_heads.safetensors` (`heads.{i}.weight` [d, d] or [d, 2d], `heads.{i}.bias` [d]), and optionally
-`tree.json`, the candidate tree that export records as the engine set's default. Head i predicts the
+Checkpoint directory: `medusa_config.json` ({"num_heads": K, "hidden_size": d, "root_token": bool,
+"sequential": bool}) and `medusa_heads.safetensors` (`heads.{i}.weight` [d, w_i], `heads.{i}.bias` [d]), and
+optionally `tree.json`, the candidate tree that export records as the engine set's default. Head i predicts the
 token i+2 places after the position whose hidden state it reads (the target's own LM head predicts the next one).
-With `root_token`, each head also reads the target's embedding of that next token, which is known when the
-heads propose (it is the root of the candidate tree): head i is h + SiLU(W_i [h; embed(root)] + b_i).
-Graph: `hidden` [B, d] (and `token` [B] with `root_token`) -> `medusa_logits` [B, K, V].
+- plain: head i is h + SiLU(W_i h + b_i).
+- `root_token`: each head also reads the target's embedding of that next token, which is known when the heads
+  propose (it is the root of the candidate tree): h + SiLU(W_i [h; e(root)] + b_i).
+- `sequential` (Hydra): head i also reads the tokens of the candidate path above it, the root and the
+  candidates at depths 1..i: h + SiLU(W_i [h; e(root); e(c_1); ..; e(c_i)] + b_i). The heads then run once per
+  tree level, each level on the candidates the one above chose.
+Graph, plain or root_token: `hidden` [B, d] (and `token` [B]) -> `medusa_logits` [B, K, V]. Sequential: `hidden`
+[M, d], `tokens` [M, K] (root and path; slots past the head's depth are ignored), `head` [M] -> `logits` [M, V].
 """
 from __future__ import annotations
 
@@ -23,23 +28,65 @@ CONFIG, WEIGHTS, TREE = "medusa_config.json", "medusa_heads.safetensors", "tree.
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, num_heads: int, hidden_size: int, lm_head: torch.Tensor, embed: torch.Tensor | None = None):
-        """`embed` (V, d): the target's input embeddings; given, the heads read the root token (see above)."""
+    def __init__(self, num_heads: int, hidden_size: int, lm_head: torch.Tensor, embed: torch.Tensor | None = None,
+                 sequential: bool = False):
+        """`embed` (V, d): the target's input embeddings; given, the heads read the root token, and with
+        `sequential` the candidate path too (see above)."""
         super().__init__()
-        width = hidden_size if embed is None else 2 * hidden_size
-        self.heads = nn.ModuleList(nn.Linear(width, hidden_size) for _ in range(num_heads))
+        if sequential and embed is None:
+            raise ValueError("sequential heads read token embeddings: pass embed")
+        tokens = [i + 1 if sequential else int(embed is not None) for i in range(num_heads)]  # tokens head i reads
+        self.heads = nn.ModuleList(nn.Linear((1 + n) * hidden_size, hidden_size) for n in tokens)
         self.lm_head = nn.Linear(hidden_size, lm_head.shape[0], bias=False)
         self.lm_head.weight = nn.Parameter(lm_head.detach().clone(), requires_grad=False)
         self.embed = None if embed is None else nn.Embedding.from_pretrained(embed.detach().clone(), freeze=True)
+        self.sequential = sequential
 
     @property
     def root_token(self) -> bool:
         return self.embed is not None
 
-    def forward(self, hidden, token=None):                                    # (B, d), (B,)
-        x = hidden if self.embed is None else torch.cat([hidden, self.embed(token)], -1)
-        h = torch.stack([hidden + nn.functional.silu(head(x)) for head in self.heads], 1)  # (B, K, d)
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def logits(self, hidden, tokens, head):
+        """Row m of head[m] (M,) on hidden (M, d) and tokens (M, K) -> (M, V): the engine's sequential interface."""
+        return self(hidden, tokens)[torch.arange(len(head)), head]
+
+    def forward(self, hidden, tokens=None):
+        """hidden (B, d); tokens (B,) the root, or for sequential heads (B, K) the root and the path below it
+        (the true tokens, in training and calibration) -> logits (B, K, V)."""
+        if self.embed is None:
+            xs = [hidden] * len(self.heads)
+        elif not self.sequential:
+            xs = [torch.cat([hidden, self.embed(tokens if tokens.dim() == 1 else tokens[:, 0])], -1)] * len(self.heads)
+        else:
+            e = self.embed(tokens[:, :len(self.heads)])                              # (B, K, d)
+            xs = [torch.cat([hidden, e[:, :i + 1].flatten(1)], -1) for i in range(len(self.heads))]
+        h = torch.stack([hidden + nn.functional.silu(head(x)) for head, x in zip(self.heads, xs)], 1)  # (B, K, d)
         return self.lm_head(h)                                                # (B, K, V)
+
+
+class _SequentialGraph(nn.Module):
+    """The sequential heads as one graph: row m runs head[m] on its own path. Every head runs on every row (a
+    small matrix; the LM head, which dominates, runs once per row), weights zero-padded to K tokens."""
+
+    def __init__(self, heads: MedusaHeads):
+        super().__init__()
+        K, d = len(heads.heads), heads.lm_head.in_features
+        weight = torch.zeros(K, d, (K + 1) * d)
+        for i, head in enumerate(heads.heads):
+            weight[i, :, :head.in_features] = head.weight
+        self.weight = nn.Parameter(weight.flatten(0, 1).T.contiguous(), requires_grad=False)  # ((K+1) d, K d)
+        self.bias = nn.Parameter(torch.stack([head.bias for head in heads.heads]), requires_grad=False)  # (K, d)
+        self.embed, self.lm_head = heads.embed, heads.lm_head
+
+    def forward(self, hidden, tokens, head):                                  # (M, d), (M, K), (M,)
+        x = torch.cat([hidden, self.embed(tokens).flatten(1)], -1)                   # (M, (K+1) d)
+        y = torch.matmul(x, self.weight).view(-1, *self.bias.shape) + self.bias              # (M, K, d)
+        y = torch.gather(y, 1, head[:, None, None].expand(-1, 1, y.shape[-1]))[:, 0]     # (M, d)
+        return self.lm_head(hidden + nn.functional.silu(y))                         # (M, V)
 
 
 def save_heads(heads: MedusaHeads, directory: Path, dtype=torch.float16) -> None:
@@ -49,7 +96,8 @@ def save_heads(heads: MedusaHeads, directory: Path, dtype=torch.float16) -> None
     save_file(state, str(directory / WEIGHTS))
     (directory / CONFIG).write_text(json.dumps({"num_heads": len(heads.heads),
                                                 "hidden_size": heads.lm_head.in_features,
-                                                "root_token": heads.root_token}) + "\n")
+                                                "root_token": heads.root_token,
+                                                "sequential": heads.sequential}) + "\n")
 
 
 def load_heads(directory: str | Path, target) -> MedusaHeads:
@@ -62,8 +110,9 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
     if config["hidden_size"] != target.args.hidden_size:
         raise InputError(f"--medusa {directory}: heads of hidden size {config['hidden_size']} do not fit the "
                          f"target's hidden size {target.args.hidden_size}")
-    embed = target.model.embed_tokens.weight if config.get("root_token") else None
-    heads = MedusaHeads(config["num_heads"], config["hidden_size"], target.lm_head.weight, embed)
+    sequential = bool(config.get("sequential"))
+    embed = target.model.embed_tokens.weight if config.get("root_token") or sequential else None
+    heads = MedusaHeads(config["num_heads"], config["hidden_size"], target.lm_head.weight, embed, sequential)
     state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS)).items()}
     frozen = {k: v for k, v in heads.state_dict().items() if not k.startswith("heads.")}
     try:
@@ -86,12 +135,24 @@ def shipped_tree(directory: str | Path, num_heads: int):
 
 
 def export_heads(heads: MedusaHeads, path: Path) -> None:
-    d = heads.lm_head.in_features
+    d, K = heads.lm_head.in_features, len(heads.heads)
+    if heads.sequential:
+        model, out = _SequentialGraph(heads), "logits"
+        args = (torch.zeros(1, d), torch.zeros(1, K, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        names = ["hidden", "tokens", "head"]
+        dyn = {name: {0: "M"} for name in (*names, out)}
+    else:
+        model, out = heads, "medusa_logits"
+        args, names, dyn = _plain_inputs(heads, d)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=[out], dynamic_axes=dyn)
+
+
+def _plain_inputs(heads: MedusaHeads, d: int):
     args, names, dyn = (torch.zeros(1, d),), ["hidden"], {"hidden": {0: "B"}, "medusa_logits": {0: "B"}}
     if heads.root_token:
         args, names = (*args, torch.zeros(1, dtype=torch.int64)), [*names, "token"]
         dyn["token"] = {0: "B"}
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(heads, args, str(path), dynamo=False, opset_version=17, input_names=names,
-                          output_names=["medusa_logits"], dynamic_axes=dyn)
+    return args, names, dyn

@@ -62,7 +62,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
                 export_heads(heads, tmp / "medusa.onnx")
                 models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
-                                    "root_token": heads.root_token,
+                                    "root_token": heads.root_token, "sequential": heads.sequential,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "graph": file_entry(tmp, "medusa.onnx")}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine

@@ -123,8 +123,9 @@ class OrtEngine:
 
 
 class OrtHeads:
-    """The Medusa heads graph: `hidden` (B, d), and `token` (B,) for heads that read the root token ->
-    `medusa_logits` (B, K, V)."""
+    """The Medusa heads graph (see specrt.export.medusa). Plain or root-token heads: `hidden` (B, d), and `token`
+    (B,) -> `medusa_logits` (B, K, V). Sequential heads: `hidden` (M, d), `tokens` (M, K), `head` (M,) ->
+    `logits` (M, V), one row per candidate path."""
 
     def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
         import onnxruntime as ort
@@ -135,14 +136,27 @@ class OrtHeads:
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
         self.root_token = bool(spec.get("root_token"))
+        self.sequential = bool(spec.get("sequential"))
 
-    def forward(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """`token` (B,): the token that follows `hidden`'s position (read only by heads with root_token)."""
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Every head at once -> (B, K, V). `tokens` (B, K): the token that follows `hidden`'s position (the root),
+        then the path below it that sequential heads read (each head i the first i + 1; the others use at most
+        the root)."""
+        if self.sequential:
+            B, K = tokens.shape[0], self.num_heads
+            heads = torch.arange(K, device=tokens.device).repeat(B)
+            rows = self.logits(hidden.repeat_interleave(K, 0), tokens.repeat_interleave(K, 0), heads)
+            return rows.view(B, K, -1)
         feeds = {"hidden": hidden.detach().cpu().contiguous().numpy()}
         if self.root_token:
-            feeds["token"] = token.detach().cpu().contiguous().numpy()
-        out = self.session.run(None, feeds)[0]
-        return torch.from_numpy(out).to(self.device)
+            feeds["token"] = tokens[:, 0].detach().cpu().contiguous().numpy()
+        return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
+
+    def logits(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """Sequential heads: row m runs head[m] on hidden[m] and its path tokens[m] (M, K) -> (M, V)."""
+        feeds = {"hidden": hidden, "tokens": tokens, "head": head}
+        feeds = {k: v.detach().cpu().contiguous().numpy() for k, v in feeds.items()}
+        return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
 
 
 class TensorRTEngine:

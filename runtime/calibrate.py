@@ -38,8 +38,10 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
         truth = torch.tensor(seq)
         if method == "medusa":
             hidden = gen.target.run_sequence(seq, len(seq)).hidden[0]                                # (S, d)
-            roots = truth.roll(-1)                                  # position t's root: token t + 1
-            top = torch.topk(gen.medusa.forward(hidden, roots)[:, :depth], width, dim=-1).indices   # (S, D, k)
+            # position t's root is token t + 1; sequential heads also read the true tokens after it, which is what
+            # they read on an accepted path (so their accuracy is given the path above them)
+            path = torch.stack([truth.roll(-1 - i) for i in range(gen.medusa.num_heads)], 1)          # (S, K)
+            top = torch.topk(gen.medusa.forward(hidden, path)[:, :depth], width, dim=-1).indices    # (S, D, k)
             offset = 2                          # head i at position t predicts token t + i + 2
         else:
             logits = gen.draft.run_sequence(seq, len(seq)).logits[0]                                  # (S, V)
@@ -62,24 +64,32 @@ def verify_costs(gen, sizes) -> dict[int, float]:
 
 
 def heads_time(gen) -> float:
-    """Seconds of one pass of the Medusa heads (best of 5), a cost every round pays whatever the tree."""
+    """Seconds of one pass of the Medusa heads (best of 5): a cost every round pays whatever the tree, once per
+    tree level for sequential heads (timed on one path)."""
     from specrt.adaptive import measure
-    hidden = torch.zeros(1, gen.target.spec["hidden_size"], device=gen.medusa.device)
-    return measure(lambda: gen.medusa.forward(hidden, torch.zeros(1, dtype=torch.int64)), reps=5)
+    heads, K = gen.medusa, gen.medusa.num_heads
+    hidden = torch.zeros(1, gen.target.spec["hidden_size"], device=heads.device)
+    tokens = torch.zeros(1, K, dtype=torch.int64)
+    if heads.sequential:
+        return measure(lambda: heads.logits(hidden, tokens, torch.zeros(1, dtype=torch.int64)), reps=5)
+    return measure(lambda: heads.forward(hidden, tokens), reps=5)
 
 
-def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0) -> Tree:
+def choose_tree(acc: np.ndarray, cost, max_nodes: int, chain_only: bool, fixed_cost: float = 0.0,
+                level_cost: float = 0.0) -> Tree:
     """Grow the tree by the node most likely to be on the accepted path (product of accuracies along it);
-    keep the size whose (1 + expected accepted length) / (verification cost + fixed cost) is best."""
+    keep the size whose (1 + expected accepted length) / (verification cost + fixed cost + level cost × depth)
+    is best."""
     depth, width = acc.shape
     heap = [(-acc[0, r], (r,)) for r in range(width)]
     heapq.heapify(heap)
-    paths, expected, best = [], 0.0, (0.0, 1)
+    paths, expected, best, deepest = [], 0.0, (0.0, 1), 0
     while heap and len(paths) < max_nodes:
         neg, path = heapq.heappop(heap)
         paths.append(path)
         expected += -neg
-        score = (1 + expected) / (cost(len(paths) + 1) + fixed_cost)
+        deepest = max(deepest, len(path))
+        score = (1 + expected) / (cost(len(paths) + 1) + fixed_cost + level_cost * deepest)
         if score > best[0]:
             best = (score, len(paths))
         if len(path) < depth and (not chain_only or path[-1] == 0):
@@ -100,8 +110,11 @@ def calibrate(gen, method: str, prompts: list[list[int]], max_nodes: int = 48, w
     xs = sorted(measured)
     slope, intercept = np.polyfit(xs, [measured[x] for x in xs], 1)
     cost = lambda n: float(intercept + max(slope, 0.0) * n)  # noqa: E731
-    fixed = depth * gen.costs().draft_step if method == "draft" else heads_time(gen)  # drafting, once a round
-    tree = choose_tree(acc, cost, max_nodes, chain_only=(method == "draft"), fixed_cost=fixed)
+    if method == "draft":      # drafting, once a round
+        fixed, level = depth * gen.costs().draft_step, 0.0
+    else:                      # sequential heads run once per level of the tree
+        fixed, level = (0.0, heads_time(gen)) if gen.medusa.sequential else (heads_time(gen), 0.0)
+    tree = choose_tree(acc, cost, max_nodes, chain_only=(method == "draft"), fixed_cost=fixed, level_cost=level)
     log(f"chosen tree: {tree.size - 1} nodes, depth {tree.max_depth}")
     return tree
 

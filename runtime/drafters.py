@@ -142,7 +142,8 @@ class NgramDrafter:
 class MedusaDrafter:
     """Medusa heads on the target's hidden state at the last accepted position (and on the token the target
     chose there, the tree's root): head i's top-k are the candidates at depth i+1 of a fixed tree
-    (deterministic proposals)."""
+    (deterministic proposals). Sequential heads run once per level: below each node that has children, head i
+    reads that node's path (root, then the candidates above it) and its top-k are the node's children."""
 
     name = "medusa"
 
@@ -151,12 +152,42 @@ class MedusaDrafter:
             raise InputError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; the engine set "
                              f"has {heads.num_heads}")
         self.heads, self.tree = heads, tree
+        self.levels = _levels(tree, heads.num_heads) if getattr(heads, "sequential", False) else None
 
     def start(self, run) -> None:
         pass
 
     def propose(self, run, gamma: int) -> Proposal:
-        logits = self.heads.forward(run.hidden, run.last_tokens())[:, :self.tree.max_depth]   # (B, D, V)
-        candidates = torch.topk(logits, self.tree.max_rank, dim=-1).indices             # (B, D, k)
-        nodes = self.tree.node_tokens(candidates)                                       # (B, N)
-        return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)
+        tree, k = self.tree, self.tree.max_rank
+        if self.levels is None:
+            tokens = run.last_tokens()[:, None].expand(-1, self.heads.num_heads)
+            logits = self.heads.forward(run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
+            nodes = tree.node_tokens(torch.topk(logits, k, dim=-1).indices)               # (B, N)
+            return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree)
+        B = run.batch
+        nodes = torch.zeros(B, tree.size, dtype=torch.int64)
+        nodes[:, 0] = run.last_tokens()
+        for depth, (paths, children, slot, rank) in enumerate(self.levels):
+            P = len(paths)
+            logits = self.heads.logits(run.hidden.repeat_interleave(P, 0), nodes[:, paths].flatten(0, 1),
+                                       torch.full((B * P,), depth, dtype=torch.int64))    # (B P, V)
+            top = torch.topk(logits, k, dim=-1).indices.view(B, P, k)
+            nodes[:, children] = top[:, slot, rank]
+        return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool), tree)
+
+
+def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per depth d: the paths (P, K) of the nodes at depth d that have children (node ids from the root, padded
+    with the root: the heads ignore slots past their depth), and for the nodes at depth d + 1 their ids, the
+    index of their parent among those P, and their rank."""
+    ancestry = [[0]]
+    for i in range(1, tree.size):
+        ancestry.append(ancestry[tree.parent[i]] + [i])
+    levels = []
+    for d in range(tree.max_depth):
+        children = [i for i in range(1, tree.size) if int(tree.depth[i]) == d + 1]
+        parents = sorted({tree.parent[i] for i in children})
+        paths = torch.tensor([ancestry[p] + [0] * (num_heads - len(ancestry[p])) for p in parents])
+        slot = torch.tensor([parents.index(tree.parent[i]) for i in children])
+        levels.append((paths, torch.tensor(children), slot, tree.rank[children]))
+    return levels

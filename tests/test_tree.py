@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
+from specrt.drafters import MedusaDrafter
 from specrt.errors import InputError
 from specrt.export.medusa import MedusaHeads, load_heads, save_heads
 from specrt.export.model import from_hf
@@ -28,7 +30,8 @@ def medusa_set(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("medusa")
     target = tiny_model("llama", seed=1, vocab=V, init=0.3)
     torch.manual_seed(5)
-    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight)
+    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight,
+                        sequential=True)
     save_heads(heads, tmp / "heads")
     draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
     directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=48,
@@ -36,13 +39,19 @@ def medusa_set(tmp_path_factory):
     return Generator.from_engines(directory), model
 
 
-@pytest.mark.parametrize("root_token", [True, False], ids=["root-token", "hidden-only"])
-def test_medusa_heads_engine(tmp_path, root_token):
-    """The heads' engine computes what the heads compute; with root_token the proposal depends on the root."""
+KINDS = {"sequential": dict(root_token=True, sequential=True), "root-token": dict(root_token=True),
+         "hidden-only": dict(root_token=False)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_medusa_heads_engine(tmp_path, kind):
+    """The heads' engine computes what the heads compute; root-token heads read the root, sequential heads the
+    path below it too."""
     target = tiny_model("llama", seed=1, vocab=V, init=0.3)
     torch.manual_seed(5)
-    d = target.config.hidden_size
-    heads = MedusaHeads(3, d, target.lm_head.weight, target.model.embed_tokens.weight if root_token else None)
+    d, kw = target.config.hidden_size, KINDS[kind]
+    heads = MedusaHeads(3, d, target.lm_head.weight, target.model.embed_tokens.weight if kw["root_token"] else None,
+                        kw.get("sequential", False))
     save_heads(heads, tmp_path / "heads")
     (tmp_path / "heads" / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
     with pytest.raises(InputError, match="tree.json has depth 4, the heads are 3"):
@@ -51,20 +60,44 @@ def test_medusa_heads_engine(tmp_path, root_token):
     directory, model = export_tiny(tmp_path, "llama", seed=1, vocab=V, init=0.3, max_seq_len=48,
                                    medusa=tmp_path / "heads")
     gen = Generator.from_engines(directory)
-    assert gen.medusa.root_token == root_token and gen.medusa.num_heads == 3
+    assert gen.medusa.root_token == kw["root_token"] and gen.medusa.num_heads == 3
+    assert gen.medusa.sequential == kw.get("sequential", False)
     assert gen.tree_for("medusa").paths == Tree.from_paths(PATHS).paths
-    hidden, roots = torch.randn(5, d), torch.tensor([0, 3, 7, 7, 5])
-    hidden[3], hidden[4] = hidden[2], hidden[1]
-    got = gen.medusa.forward(hidden, roots)                                             # (5, 3, V), int8 weights
+    hidden, tokens = torch.randn(6, d), torch.tensor([[0, 1, 2], [3, 1, 2], [7, 4, 4], [7, 4, 4], [5, 1, 2],
+                                                      [7, 4, 9]])
+    hidden[3], hidden[4], hidden[5] = hidden[2], hidden[1], hidden[2]
+    got = gen.medusa.forward(hidden, tokens)                                            # (6, 3, V), int8 weights
     with torch.no_grad():
-        want = load_heads(tmp_path / "heads", from_hf(model, 48))(hidden, roots)
-    assert got.shape == want.shape == (5, 3, V)
+        want = load_heads(tmp_path / "heads", from_hf(model, 48))(hidden, tokens)
+    assert got.shape == want.shape == (6, 3, V)
     assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99
     assert torch.equal(got[2], got[3])
-    assert torch.equal(got[1], got[4]) != root_token
+    assert torch.equal(got[1], got[4]) != kw["root_token"]                      # only the root differs
+    assert torch.equal(got[2, :2], got[5, :2]) and torch.equal(got[2, 2], got[5, 2]) != kw.get("sequential", False)
     ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20).token_ids[0]
     out = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="medusa")
     assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
+
+
+def test_sequential_heads_fill_each_node_from_its_own_path():
+    """Below each node, the sequential heads' top-k on that node's path (root, then its ancestors' tokens)."""
+    torch.manual_seed(3)
+    d, K = 16, 3
+    heads = MedusaHeads(K, d, torch.randn(V, d), torch.randn(V, d), sequential=True).eval()
+    tree = Tree.from_paths(PATHS)
+    run = SimpleNamespace(batch=2, hidden=torch.randn(2, d), last_tokens=lambda: torch.tensor([4, 9]))
+    with torch.no_grad():
+        nodes = MedusaDrafter(heads, tree).propose(run, tree.max_depth).tokens                # (2, N)
+        for b in range(2):
+            tokens = [int(run.last_tokens()[b])] + nodes[b].tolist()                    # node id -> token
+            for node in range(1, tree.size):
+                parent, path = tree.parent[node], []
+                while parent >= 0:
+                    path.insert(0, tokens[parent])
+                    parent = tree.parent[parent]
+                depth = len(path) - 1
+                logits = heads(run.hidden[b:b + 1], torch.tensor([path + [0] * (K - len(path))]))[0, depth]
+                assert tokens[node] == int(logits.topk(tree.max_rank).indices[int(tree.rank[node])]), node
 
 
 def test_tree_from_paths():

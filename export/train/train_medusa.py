@@ -1,7 +1,9 @@
 """Train Medusa heads on the frozen target: K residual blocks on its last hidden state (and, with
-`--root-token`, the default, on the target's embedding of the token that follows it), each feeding the target's
-own LM head; head k at position t learns the target's distribution of the token t + k + 2 of self-distilled
-answers (its top-k logits there, written by `data.py --batched`).
+`--root-token`, on the target's embedding of the token that follows it; with `--sequential`, the default, on
+the embeddings of the tokens between too, Hydra-style), each feeding the target's own LM head; head k at
+position t learns the target's distribution of the token t + k + 2 of self-distilled answers (its top-k logits
+there, written by `data.py --batched`). Sequential heads train on the true tokens above them: at run time they
+read the candidates of their branch, which are the true tokens exactly when the branch is accepted.
 
     python -m specrt.export.train.train_medusa --data build/distill/data.jsonl \
         --work build/medusa-train --out export/drafters/smollm2-135m-medusa
@@ -10,7 +12,8 @@ Hidden states come from the target's transformers model in bf16 (batched, cached
 the heads run under bf16 autocast. Held-out rows are the draft's (1 prompt in 16, by name). Training is
 seeded, shows a progress bar, saves a checkpoint every epoch and resumes from it. The output directory holds
 fp16 safetensors, medusa_config.json and training.json (held-out top-1/top-5 accuracy per head, against the
-token that actually followed, on all held-out rows and on the greedy ones).
+token that actually followed, on all held-out rows and on the greedy ones; for sequential heads, given the true
+tokens above them).
 """
 from __future__ import annotations
 
@@ -40,12 +43,14 @@ class MedusaConfig:
     max_positions: int = 0       # train on a seeded subset of this many positions (0: all)
     max_rows: int = 0            # only the first N rows of the data, in generation order (0: all)
     root_token: bool = True      # the heads also read the token that follows the hidden state (the tree's root)
+    sequential: bool = True      # head k also reads the k tokens after the root (its branch's candidates)
     seed: int = 0
     threads: int = 2
 
 
 PER_POSITION = ("hidden", "labels", "soft_index", "soft_values", "row")   # the feature cache's per-position tensors
-RESUME_KEYS = ("heads", "batch", "lr", "max_positions", "max_rows", "seed", "root_token")  # a checkpoint's settings
+RESUME_KEYS = ("heads", "batch", "lr", "max_positions", "max_rows", "seed", "root_token",
+               "sequential")  # a checkpoint's settings
 
 
 def features(cfg: MedusaConfig) -> dict:
@@ -133,12 +138,18 @@ def roots(rows: list[dict], row: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def path_tokens(root, labels) -> torch.Tensor:
+    """(T, K): the root and the true tokens after it, what sequential heads read (0 past the end of an answer,
+    where the heads that would read them have no label)."""
+    return torch.cat([root[:, None], labels[:, :-1].clamp(min=0)], 1)
+
+
 def accuracy(heads: MedusaHeads, hidden, root, labels, batch: int = 1024) -> dict:
     K = labels.shape[1]
     hit1, hit5, total = torch.zeros(K), torch.zeros(K), torch.zeros(K)
     with torch.no_grad():
         for s in range(0, len(hidden), batch):
-            logits = heads(hidden[s:s + batch], root[s:s + batch])                    # (b, K, V)
+            logits = heads(hidden[s:s + batch], path_tokens(root[s:s + batch], labels[s:s + batch]))  # (b, K, V)
             top = logits.topk(5, dim=-1).indices                                      # (b, K, 5)
             lab = labels[s:s + batch]
             ok = lab >= 0
@@ -166,8 +177,8 @@ def train(cfg: MedusaConfig) -> None:
         train_idx = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed))[
             :cfg.max_positions]]
     val_greedy = val & torch.isin(f["row"], f["greedy_rows"])
-    embed = f["lm_head"] if cfg.root_token else None   # SmolLM2 ties its input embeddings to its LM head
-    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"], embed)
+    embed = f["lm_head"] if cfg.root_token or cfg.sequential else None  # SmolLM2 ties its embeddings and LM head
+    heads = MedusaHeads(cfg.heads, f["hidden"].shape[1], f["lm_head"], embed, cfg.sequential)
     for head in heads.heads:  # start as the identity: each head first predicts what the LM head predicts
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
@@ -197,7 +208,7 @@ def train(cfg: MedusaConfig) -> None:
             for s in range(0, len(order), cfg.batch):
                 idx = order[s:s + cfg.batch]
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logits = heads(f["hidden"][idx], f["root"][idx])                  # (b, K, V)
+                    logits = heads(f["hidden"][idx], path_tokens(f["root"][idx], f["labels"][idx]))  # (b, K, V)
                 loss = soft_loss(logits.flatten(0, 1), f["soft_index"][idx].flatten(0, 1),
                                  f["soft_values"][idx].flatten(0, 1))
                 opt.zero_grad(set_to_none=True)
