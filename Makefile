@@ -68,6 +68,8 @@ train-draft: train-data
 train-medusa: train-data
 	$(TRAIN).train_medusa --data $(DISTILL)/data.jsonl --work build/medusa-train --out $(MEDUSA) \
 	    --epochs 1 --max-positions 400000 --batch 256 --lr 1e-3
+	# the heads propose from the draft's kept output ids (the most frequent in the same data)
+	cp export/drafters/$(DRAFT)/specrt_vocab.json $(MEDUSA)/
 
 clean:
 	rm -rf $(VENV) engines/default

@@ -2,7 +2,9 @@
 
 Checkpoint directory: `medusa_config.json` ({"num_heads": K, "hidden_size": d, "root_token": bool,
 "sequential": bool}) and `medusa_heads.safetensors` (`heads.{i}.weight` [d, w_i], `heads.{i}.bias` [d]), and
-optionally `tree.json`, the candidate tree that export records as the engine set's default. Head i predicts the
+optionally `tree.json`, the candidate tree that export records as the engine set's default, and `specrt_vocab.json`, the
+output ids the heads propose from (the draft's format; the LM head keeps those rows, every other id gets logit
+-inf: proposals are verified, so this only changes speed). Head i predicts the
 token i+2 places after the position whose hidden state it reads (the target's own LM head predicts the next one).
 - plain: head i is h + SiLU(W_i h + b_i).
 - `root_token`: each head also reads the target's embedding of that next token, which is known when the heads
@@ -29,16 +31,20 @@ CONFIG, WEIGHTS, TREE = "medusa_config.json", "medusa_heads.safetensors", "tree.
 
 class MedusaHeads(nn.Module):
     def __init__(self, num_heads: int, hidden_size: int, lm_head: torch.Tensor, embed: torch.Tensor | None = None,
-                 sequential: bool = False):
+                 sequential: bool = False, vocab_subset: list[int] | None = None):
         """`embed` (V, d): the target's input embeddings; given, the heads read the root token, and with
-        `sequential` the candidate path too (see above)."""
+        `sequential` the candidate path too (see above). `vocab_subset`: the ids the heads may propose."""
         super().__init__()
         if sequential and embed is None:
             raise ValueError("sequential heads read token embeddings: pass embed")
         tokens = [i + 1 if sequential else int(embed is not None) for i in range(num_heads)]  # tokens head i reads
         self.heads = nn.ModuleList(nn.Linear((1 + n) * hidden_size, hidden_size) for n in tokens)
-        self.lm_head = nn.Linear(hidden_size, lm_head.shape[0], bias=False)
-        self.lm_head.weight = nn.Parameter(lm_head.detach().clone(), requires_grad=False)
+        self.vocab_size = lm_head.shape[0]
+        index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
+        kept = lm_head.detach() if index is None else lm_head.detach().index_select(0, index)
+        self.lm_head = nn.Linear(hidden_size, kept.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(kept.clone(), requires_grad=False)
+        self.register_buffer("vocab_index", index, persistent=False)
         self.embed = None if embed is None else nn.Embedding.from_pretrained(embed.detach().clone(), freeze=True)
         self.sequential = sequential
 
@@ -65,28 +71,48 @@ class MedusaHeads(nn.Module):
             e = self.embed(tokens[:, :len(self.heads)])                              # (B, K, d)
             xs = [torch.cat([hidden, e[:, :i + 1].flatten(1)], -1) for i in range(len(self.heads))]
         h = torch.stack([hidden + nn.functional.silu(head(x)) for head, x in zip(self.heads, xs)], 1)  # (B, K, d)
-        return self.lm_head(h)                                                # (B, K, V)
+        return self.full_vocab(self.lm_head(h))                               # (B, K, V)
+
+    def full_vocab(self, logits):
+        """Logits over the kept ids (..., V') -> (..., V), -inf at the ids the heads do not propose."""
+        if self.vocab_index is None:
+            return logits
+        full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), dtype=logits.dtype)
+        return full.scatter(-1, self.vocab_index.expand(*logits.shape), logits)
 
 
-class _SequentialGraph(nn.Module):
-    """The sequential heads as one graph: row m runs head[m] on its own path. Every head runs on every row (a
-    small matrix; the LM head, which dominates, runs once per row), weights zero-padded to K tokens."""
+class _HeadsGraph(nn.Module):
+    """The heads as the engine runs them, every head at once in one matrix per input. The hidden state and the
+    token embeddings have MatMuls of their own: an int8 engine quantizes each MatMul's input with one scale, and
+    the hidden state's outliers would leave the embeddings a handful of levels (measured on MT-Bench: head 0's
+    top-1 0.34 with one MatMul, 0.38 with two, 0.39 in float32). Plain and root-token heads: (B, d), (B,) ->
+    (B, K, V). Sequential heads: row m runs head[m] on its own path, weights zero-padded to K tokens (every head
+    runs on every row: small matrices; the LM head, which dominates, runs once per row): (M, d), (M, K), (M,) ->
+    (M, V)."""
 
     def __init__(self, heads: MedusaHeads):
         super().__init__()
         K, d = len(heads.heads), heads.lm_head.in_features
-        weight = torch.zeros(K, d, (K + 1) * d)
+        width = K + 1 if heads.sequential else 2 if heads.root_token else 1     # in units of d
+        weight = torch.zeros(K, d, width * d)
         for i, head in enumerate(heads.heads):
             weight[i, :, :head.in_features] = head.weight
-        self.weight = nn.Parameter(weight.flatten(0, 1).T.contiguous(), requires_grad=False)  # ((K+1) d, K d)
+        weight = weight.flatten(0, 1).T                                                # (width d, K d)
+        self.hidden_weight = nn.Parameter(weight[:d].contiguous(), requires_grad=False)
+        self.token_weight = nn.Parameter(weight[d:].contiguous(), requires_grad=False) if width > 1 else None
         self.bias = nn.Parameter(torch.stack([head.bias for head in heads.heads]), requires_grad=False)  # (K, d)
-        self.embed, self.lm_head = heads.embed, heads.lm_head
+        self.embed, self.lm_head, self.full_vocab = heads.embed, heads.lm_head, heads.full_vocab
+        self.sequential = heads.sequential
 
-    def forward(self, hidden, tokens, head):                                  # (M, d), (M, K), (M,)
-        x = torch.cat([hidden, self.embed(tokens).flatten(1)], -1)                   # (M, (K+1) d)
-        y = torch.matmul(x, self.weight).view(-1, *self.bias.shape) + self.bias              # (M, K, d)
-        y = torch.gather(y, 1, head[:, None, None].expand(-1, 1, y.shape[-1]))[:, 0]     # (M, d)
-        return self.lm_head(hidden + nn.functional.silu(y))                         # (M, V)
+    def forward(self, hidden, tokens=None, head=None):
+        y = torch.matmul(hidden, self.hidden_weight)                                   # (M, K d)
+        if self.token_weight is not None:
+            y = y + torch.matmul(self.embed(tokens).flatten(1), self.token_weight)
+        y = y.view(-1, *self.bias.shape) + self.bias                                 # (M, K, d)
+        if self.sequential:
+            y = torch.gather(y, 1, head[:, None, None].expand(-1, 1, y.shape[-1]))[:, 0]  # (M, d)
+            return self.full_vocab(self.lm_head(hidden + nn.functional.silu(y)))    # (M, V)
+        return self.full_vocab(self.lm_head(hidden[:, None] + nn.functional.silu(y)))  # (B, K, V)
 
 
 def save_heads(heads: MedusaHeads, directory: Path, dtype=torch.float16) -> None:
@@ -103,6 +129,8 @@ def save_heads(heads: MedusaHeads, directory: Path, dtype=torch.float16) -> None
 def load_heads(directory: str | Path, target) -> MedusaHeads:
     """Heads from a checkpoint directory, on the LM head (and embeddings) of `target` (a SpecModel)."""
     from safetensors.torch import load_file
+
+    from specrt.export.sources import read_vocab_subset
     directory = Path(directory)
     if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
         raise InputError(f"--medusa {directory}: expected a directory with {CONFIG} and {WEIGHTS}")
@@ -112,7 +140,8 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
                          f"target's hidden size {target.args.hidden_size}")
     sequential = bool(config.get("sequential"))
     embed = target.model.embed_tokens.weight if config.get("root_token") or sequential else None
-    heads = MedusaHeads(config["num_heads"], config["hidden_size"], target.lm_head.weight, embed, sequential)
+    kept = read_vocab_subset(directory, target.args.vocab_size)
+    heads = MedusaHeads(config["num_heads"], config["hidden_size"], target.lm_head.weight, embed, sequential, kept)
     state = {k: v.float() for k, v in load_file(str(directory / WEIGHTS)).items()}
     frozen = {k: v for k, v in heads.state_dict().items() if not k.startswith("heads.")}
     try:
@@ -136,23 +165,14 @@ def shipped_tree(directory: str | Path, num_heads: int):
 
 def export_heads(heads: MedusaHeads, path: Path) -> None:
     d, K = heads.lm_head.in_features, len(heads.heads)
+    hidden, token = torch.zeros(1, d), torch.zeros(1, dtype=torch.int64)
     if heads.sequential:
-        model, out = _SequentialGraph(heads), "logits"
-        args = (torch.zeros(1, d), torch.zeros(1, K, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-        names = ["hidden", "tokens", "head"]
-        dyn = {name: {0: "M"} for name in (*names, out)}
+        args, names, out = (hidden, torch.zeros(1, K, dtype=torch.int64), token), ["hidden", "tokens", "head"], "logits"
+    elif heads.root_token:
+        args, names, out = (hidden, token), ["hidden", "token"], "medusa_logits"
     else:
-        model, out = heads, "medusa_logits"
-        args, names, dyn = _plain_inputs(heads, d)
+        args, names, out = (hidden,), ["hidden"], "medusa_logits"
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=names,
-                          output_names=[out], dynamic_axes=dyn)
-
-
-def _plain_inputs(heads: MedusaHeads, d: int):
-    args, names, dyn = (torch.zeros(1, d),), ["hidden"], {"hidden": {0: "B"}, "medusa_logits": {0: "B"}}
-    if heads.root_token:
-        args, names = (*args, torch.zeros(1, dtype=torch.int64)), [*names, "token"]
-        dyn["token"] = {0: "B"}
-    return args, names, dyn
+        torch.onnx.export(_HeadsGraph(heads), args, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=[out], dynamic_axes={name: {0: "M"} for name in (*names, out)})

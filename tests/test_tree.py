@@ -53,6 +53,8 @@ def test_medusa_heads_engine(tmp_path, kind):
     heads = MedusaHeads(3, d, target.lm_head.weight, target.model.embed_tokens.weight if kw["root_token"] else None,
                         kw.get("sequential", False))
     save_heads(heads, tmp_path / "heads")
+    kept = sorted(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:V // 2].tolist())
+    (tmp_path / "heads" / "specrt_vocab.json").write_text(json.dumps({"kept_ids": kept}))   # the ids they propose
     (tmp_path / "heads" / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
     with pytest.raises(InputError, match="tree.json has depth 4, the heads are 3"):
         export_tiny(tmp_path, "llama", seed=1, vocab=V, init=0.3, max_seq_len=48, medusa=tmp_path / "heads")
@@ -70,6 +72,11 @@ def test_medusa_heads_engine(tmp_path, kind):
     with torch.no_grad():
         want = load_heads(tmp_path / "heads", from_hf(model, 48))(hidden, tokens)
     assert got.shape == want.shape == (6, 3, V)
+    dropped = torch.ones(V, dtype=torch.bool)
+    dropped[kept] = False
+    assert torch.isneginf(got[..., dropped]).all() and torch.isfinite(got[..., kept]).all()
+    assert torch.equal(torch.isneginf(want), torch.isneginf(got))
+    got, want = got[..., kept], want[..., kept]
     assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99
     assert torch.equal(got[2], got[3])
     assert torch.equal(got[1], got[4]) != kw["root_token"]                      # only the root differs
@@ -77,6 +84,9 @@ def test_medusa_heads_engine(tmp_path, kind):
     ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20).token_ids[0]
     out = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="medusa")
     assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
+    run = SimpleNamespace(batch=6, hidden=hidden, last_tokens=lambda: tokens[:, 0])
+    proposed = MedusaDrafter(gen.medusa, gen.tree_for("medusa")).propose(run, 3).tokens
+    assert set(proposed.flatten().tolist()) <= set(kept)
 
 
 def test_sequential_heads_fill_each_node_from_its_own_path():

@@ -1,5 +1,5 @@
 """Train Medusa heads on the frozen target: K residual blocks on its last hidden state (and, with
-`--root-token`, on the target's embedding of the token that follows it; with `--sequential`, the default, on
+`--root-token`, the default, on the target's embedding of the token that follows it; with `--sequential`, on
 the embeddings of the tokens between too, Hydra-style), each feeding the target's own LM head; head k at
 position t learns the target's distribution of the token t + k + 2 of self-distilled answers (its top-k logits
 there, written by `data.py --batched`). Sequential heads train on the true tokens above them: at run time they
@@ -43,7 +43,7 @@ class MedusaConfig:
     max_positions: int = 0       # train on a seeded subset of this many positions (0: all)
     max_rows: int = 0            # only the first N rows of the data, in generation order (0: all)
     root_token: bool = True      # the heads also read the token that follows the hidden state (the tree's root)
-    sequential: bool = True      # head k also reads the k tokens after the root (its branch's candidates)
+    sequential: bool = False     # head k also reads the k tokens after the root (its branch's candidates)
     seed: int = 0
     threads: int = 2
 
