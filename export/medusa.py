@@ -1,11 +1,11 @@
 """Medusa heads: K residual blocks on the target's last hidden state, each feeding the target's own LM head.
 
 Checkpoint directory: `medusa_config.json` ({"num_heads": K, "hidden_size": d, "root_token": bool,
-"sequential": bool}) and `medusa_heads.safetensors` (`heads.{i}.weight` [d, w_i], `heads.{i}.bias` [d]), and
-optionally `tree.json`, the candidate tree that export records as the engine set's default, and `specrt_vocab.json`, the
+"sequential": bool}) and `medusa_heads.safetensors` (`heads.{i}.weight` [d, w_i], `heads.{i}.bias` [d]); optionally
+`tree.json`, the candidate tree that export records as the engine set's default, and `specrt_vocab.json`, the
 output ids the heads propose from (the draft's format; the LM head keeps those rows, every other id gets logit
--inf: proposals are verified, so this only changes speed). Head i predicts the
-token i+2 places after the position whose hidden state it reads (the target's own LM head predicts the next one).
+-inf: proposals are verified, so this only changes speed). Head i predicts the token i+2 places after the
+position whose hidden state it reads (the target's own LM head predicts the next one).
 - plain: head i is h + SiLU(W_i h + b_i).
 - `root_token`: each head also reads the target's embedding of that next token, which is known when the heads
   propose (it is the root of the candidate tree): h + SiLU(W_i [h; e(root)] + b_i).
@@ -84,11 +84,11 @@ class MedusaHeads(nn.Module):
 class _HeadsGraph(nn.Module):
     """The heads as the engine runs them, every head at once in one matrix per input. The hidden state and the
     token embeddings have MatMuls of their own: an int8 engine quantizes each MatMul's input with one scale, and
-    the hidden state's outliers would leave the embeddings a handful of levels (measured on MT-Bench: head 0's
-    top-1 0.34 with one MatMul, 0.38 with two, 0.39 in float32). Plain and root-token heads: (B, d), (B,) ->
-    (B, K, V). Sequential heads: row m runs head[m] on its own path, weights zero-padded to K tokens (every head
-    runs on every row: small matrices; the LM head, which dominates, runs once per row): (M, d), (M, K), (M,) ->
-    (M, V)."""
+    the hidden state's outliers would leave the embeddings a handful of levels (MT-Bench, whole sequences in one
+    call as tune-tree scores them: head 0's top-1 0.34 with one MatMul, 0.38 with two).
+    Plain and root-token heads: (B, d), (B,) -> (B, K, V).
+    Sequential heads: (M, d), (M, K), (M,) -> (M, V); row m runs head[m] on its own path, weights zero-padded to
+    K tokens (every head runs on every row: small matrices; the LM head, which dominates, runs once per row)."""
 
     def __init__(self, heads: MedusaHeads):
         super().__init__()

@@ -152,7 +152,7 @@ class MedusaDrafter:
             raise InputError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; the engine set "
                              f"has {heads.num_heads}")
         self.heads, self.tree = heads, tree
-        self.levels = _levels(tree, heads.num_heads) if getattr(heads, "sequential", False) else None
+        self.levels = _levels(tree, heads.num_heads) if heads.sequential else None
 
     def start(self, run) -> None:
         pass
