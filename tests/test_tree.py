@@ -162,6 +162,8 @@ def test_choose_tree_trades_acceptance_for_cost():
     assert [tuple(p) for p in choose_tree(acc, steep, max_nodes=6, chain_only=False).paths] == [(0,)]
     # a per-round cost that does not grow with the tree (drafting) makes more nodes worth their price
     assert choose_tree(acc, steep, max_nodes=6, chain_only=True, fixed_cost=10.0).size == 4
+    # sequential heads pay a pass per level: a dear one keeps the tree shallow even when nodes are free
+    assert choose_tree(acc, lambda n: 1.0, max_nodes=6, chain_only=False, level_cost=10.0).max_depth == 1
 
 
 def test_draft_accuracy_by_depth(tmp_path):
