@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from specrt.errors import InputError
+from specrt.export.model import full_vocab
 
 CONFIG, WEIGHTS, TREE = "medusa_config.json", "medusa_heads.safetensors", "tree.json"
 
@@ -61,24 +62,21 @@ class MedusaHeads(nn.Module):
         return self(hidden, tokens)[torch.arange(len(head)), head]
 
     def forward(self, hidden, tokens=None):
-        """hidden (B, d); tokens (B,) the root, or for sequential heads (B, K) the root and the path below it
-        (the true tokens, in training and calibration) -> logits (B, K, V)."""
+        """hidden (B, d); tokens (B, K): the root, then the path below it that sequential heads read (the true
+        tokens, in training and calibration; root-token heads read only the root) -> logits (B, K, V)."""
         if self.embed is None:
             xs = [hidden] * len(self.heads)
         elif not self.sequential:
-            xs = [torch.cat([hidden, self.embed(tokens if tokens.dim() == 1 else tokens[:, 0])], -1)] * len(self.heads)
+            xs = [torch.cat([hidden, self.embed(tokens[:, 0])], -1)] * len(self.heads)
         else:
-            e = self.embed(tokens[:, :len(self.heads)])                              # (B, K, d)
+            e = self.embed(tokens)                                                   # (B, K, d)
             xs = [torch.cat([hidden, e[:, :i + 1].flatten(1)], -1) for i in range(len(self.heads))]
         h = torch.stack([hidden + nn.functional.silu(head(x)) for head, x in zip(self.heads, xs)], 1)  # (B, K, d)
         return self.full_vocab(self.lm_head(h))                               # (B, K, V)
 
     def full_vocab(self, logits):
         """Logits over the kept ids (..., V') -> (..., V), -inf at the ids the heads do not propose."""
-        if self.vocab_index is None:
-            return logits
-        full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), dtype=logits.dtype)
-        return full.scatter(-1, self.vocab_index.expand(*logits.shape), logits)
+        return logits if self.vocab_index is None else full_vocab(logits, self.vocab_index, self.vocab_size)
 
 
 class _HeadsGraph(nn.Module):

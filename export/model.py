@@ -143,10 +143,14 @@ class SpecModel(nn.Module):
         last = torch.arange(S - num_logits[0], S)                        # the positions whose logits we need
         logits = self.lm_head(hidden.index_select(1, last))              # (B, num_logits, K)
         if self.vocab_index is not None:
-            B, n, K = logits.shape
-            full = torch.full((B, n, self.args.vocab_size), float("-inf"), dtype=logits.dtype)
-            logits = full.scatter(2, self.vocab_index.expand(B, n, K), logits)  # (B, num_logits, V)
+            logits = full_vocab(logits, self.vocab_index, self.args.vocab_size)  # (B, num_logits, V)
         return (logits, hidden, *new_kv)
+
+
+def full_vocab(logits: torch.Tensor, index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over kept ids `index` (..., K) -> (..., vocab_size), -inf at every other id."""
+    full = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=logits.dtype)
+    return full.scatter(-1, index.expand(*logits.shape), logits)
 
 
 def rope_tables(hf_model, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
