@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specrt.errors import InputError
-from specrt.sampling import probs, sample
+from specrt.sampling import argmax, probs, sample, top_k_ids
 from specrt.tree import Tree
 
 
@@ -85,10 +85,10 @@ class DraftModelDrafter:
             self.cache.past_len += ids.shape[1]
             logits = out.logits[:, -1]                                                  # (B, V)
             if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
-                tops.append(torch.topk(logits, self.tree.max_rank, dim=-1).indices)
+                tops.append(top_k_ids(logits, self.tree.max_rank))
                 tok = tops[-1][:, 0]
             elif run.params.greedy:
-                tok = logits.argmax(-1)
+                tok = argmax(logits)
             else:
                 q = probs(logits, run.params)
                 tok = sample(q, run.generator)
@@ -162,7 +162,7 @@ class MedusaDrafter:
         if self.levels is None:
             tokens = run.last_tokens()[:, None].expand(-1, self.heads.num_heads)
             logits = self.heads.forward(run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
-            nodes = tree.node_tokens(torch.topk(logits, k, dim=-1).indices)               # (B, N)
+            nodes = tree.node_tokens(top_k_ids(logits, k))                                # (B, N)
             return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree)
         B = run.batch
         nodes = torch.zeros(B, tree.size, dtype=torch.int64)
@@ -171,7 +171,7 @@ class MedusaDrafter:
             P = len(paths)
             logits = self.heads.logits(run.hidden.repeat_interleave(P, 0), nodes[:, paths].flatten(0, 1),
                                        torch.full((B * P,), depth, dtype=torch.int64))    # (B P, V)
-            top = torch.topk(logits, k, dim=-1).indices.view(B, P, k)
+            top = top_k_ids(logits, k).view(B, P, k)
             nodes[:, children] = top[:, slot, rank]
         return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool), tree)
 

@@ -14,7 +14,7 @@ from specrt.backends import OrtEngine, OrtHeads, TensorRTEngine, pick_device
 from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
-from specrt.sampling import SamplingParams, probs, sample
+from specrt.sampling import SamplingParams, argmax, probs, sample
 from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa")
@@ -232,7 +232,7 @@ class Generator:
         one.past_len += m
         logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
         run.hidden = out.hidden[:, -1].expand(B, -1).clone()                            # (B, d)
-        first = logits.argmax(-1) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         run.cache = one
         if B > 1:
             run.cache = self.target.new_cache(B, run.cache_len)

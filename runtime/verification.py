@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from specrt.sampling import argmax
+
 
 def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor):
-    best = target_logits.argmax(-1)                                    # (B, γ+1)
+    best = argmax(target_logits)                                       # (B, γ+1)
     match = (draft == best[:, :-1]) & valid                            # (B, γ)
     n = match.int().cumprod(1).sum(1)                                  # (B,)
     return n, best.gather(1, n[:, None])[:, 0]
@@ -54,7 +56,7 @@ def sampled(P: torch.Tensor, Q: torch.Tensor | None, draft: torch.Tensor, valid:
 
 def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
     """The deepest path on which every node is its parent's target argmax."""
-    best = target_logits.argmax(-1)                                    # (B, N+1)
+    best = argmax(target_logits)                                       # (B, N+1)
     parent = torch.tensor(tree.parent).clamp(min=0)
     ok = tokens == best[:, parent]                                     # node i is its parent's argmax
     ok[:, 0] = True

@@ -11,7 +11,7 @@ from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.generate import Generator
-from specrt.sampling import SamplingParams, probs
+from specrt.sampling import SamplingParams, argmax, probs, top_k_ids
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
 N = 20000       # samples per test: enough to catch a 2% error
@@ -225,6 +225,21 @@ def test_greedy_rule():
     assert n.item() == 2 and nxt.item() == 1                   # all accepted, bonus argmax
     n, nxt = verification.greedy(logits, torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.bool))
     assert n.item() == 0 and nxt.item() == 1                   # first rejected, target's token
+
+
+def test_fast_argmax_and_top_k_match_torch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 1000, generator=g)
+    x[0, 0, 7] = x[0, 0, 9] = 50.0                             # a tie: the first index, as torch
+    x[1, 2, 500:] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(-1)) and torch.equal(argmax(x[:, -1]), x[:, -1].argmax(-1))
+    for k in (1, 2, 4):                                         # the same values, largest first (ties in any order)
+        ids = top_k_ids(x, k)
+        assert torch.equal(x.gather(-1, ids), torch.topk(x, k, dim=-1).values)
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
+    short = torch.full((1, 6), float("-inf"))
+    short[0, 2], short[0, 4] = 1.0, 2.0                        # fewer finite entries than k: ids stay distinct
+    assert top_k_ids(short, 3)[0].unique().numel() == 3 and top_k_ids(short, 3)[0, :2].tolist() == [4, 2]
 
 
 def test_verify_command(pair):
