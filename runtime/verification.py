@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specrt.sampling import argmax
+from specrt.sampling import argmax, sample
 
 
 def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor):
@@ -45,7 +45,7 @@ def sampled(P: torch.Tensor, Q: torch.Tensor | None, draft: torch.Tensor, valid:
         if gamma:
             Q_n.scatter_(1, draft[rows, n.clamp(max=gamma - 1)][:, None], 1.0)
     Q_n = Q_n * proposed[:, None]
-    nxt = torch.multinomial(residual(P_n, Q_n), 1, generator=generator)[:, 0]
+    nxt = sample(residual(P_n, Q_n), generator)
     return n, nxt
 
 
@@ -71,17 +71,16 @@ def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
 
 
 def without(R: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The residual after a deterministic proposal x is rejected: (R − δx)+ renormalised, in the given rows."""
-    R = R.clone()
+    """The residual after a deterministic proposal x is rejected, in the given rows: (R − δx)+, in place. R is
+    kept unnormalised (acceptance divides by its total)."""
     R[rows, x[rows]] = 0.0
-    R[rows] = R[rows] / R[rows].sum(-1, keepdim=True).clamp(min=1e-30)
     return R
 
 
 def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.Generator):
     """Recursive rejection over siblings (deterministic proposals, Q = δx): at each node try the children in
-    rank order, accepting child x with probability R(x) of the current residual R; a rejection removes x from
-    R and renormalises. When every child fails, the next token is sampled from what remains of R."""
+    rank order, accepting child x with probability R(x) / ΣR of the current residual R; a rejection removes x
+    from R. When every child fails, the next token is sampled from what remains of R."""
     B, D = P.shape[0], tree.max_depth
     rows = torch.arange(B, device=P.device)
     width = max(len(c) for c in tree.children)
@@ -91,7 +90,7 @@ def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.G
     node = torch.zeros(B, dtype=torch.int64, device=P.device)
     path = torch.zeros(B, D + 1, dtype=torch.int64, device=P.device)
     n = torch.zeros(B, dtype=torch.int64, device=P.device)
-    R = P[:, 0].clone()                                                # residual at the current node
+    R = P[:, 0].clone()                                                # residual at the current node (a copy)
     searching = torch.ones(B, dtype=torch.bool, device=P.device)
     for d in range(D):
         moved = torch.zeros(B, dtype=torch.bool, device=P.device)
@@ -99,7 +98,8 @@ def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.G
             child = table[node, j]                                     # (B,)
             trying = searching & ~moved & (child >= 0)
             x = tokens[rows, child.clamp(min=0)]
-            accept = trying & (torch.rand(B, generator=generator, device=P.device) < R[rows, x])
+            u = torch.rand(B, generator=generator, device=P.device)
+            accept = trying & (u < R[rows, x] / R.sum(-1))
             R = without(R, trying & ~accept, x)
             node = torch.where(accept, child, node)
             moved |= accept
@@ -107,5 +107,5 @@ def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.G
         n += moved
         path[:, d + 1] = node
         R = torch.where(moved[:, None], P[rows, node], R)
-    nxt = torch.multinomial(R, 1, generator=generator)[:, 0]
+    nxt = sample(R, generator)
     return n, nxt, path

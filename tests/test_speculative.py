@@ -11,7 +11,7 @@ from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.generate import Generator
-from specrt.sampling import SamplingParams, argmax, probs, top_k_ids
+from specrt.sampling import SamplingParams, argmax, probs, sample, top_k_ids
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
 N = 20000       # samples per test: enough to catch a 2% error
@@ -240,6 +240,16 @@ def test_fast_argmax_and_top_k_match_torch():
     short = torch.full((1, 6), float("-inf"))
     short[0, 2], short[0, 4] = 1.0, 2.0                        # fewer finite entries than k: ids stay distinct
     assert top_k_ids(short, 3)[0].unique().numel() == 3 and top_k_ids(short, 3)[0, :2].tolist() == [4, 2]
+
+
+def test_sample_draws_the_given_law():
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])              # unnormalised, zeros at both ends
+    g = torch.Generator().manual_seed(1)
+    draws = sample(w.expand(20000, -1), g)
+    counts = torch.bincount(draws, minlength=6)
+    assert counts[w == 0].sum() == 0                            # probability 0 is never drawn
+    assert chisquare(counts[w > 0].numpy(), (w[w > 0] / w.sum() * 20000).numpy()).pvalue > 1e-3
+    assert sample(torch.tensor([[0.0, 0.0, 1e-30]]), g).item() == 2
 
 
 def test_verify_command(pair):
