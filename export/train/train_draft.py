@@ -189,13 +189,11 @@ def collate(batch: list[int], rows: list[dict], teacher: dict, remap: torch.Tens
     return ids, mask, loss_mask, t_idx, t_val
 
 
-AUTOCAST = {"dtype": torch.bfloat16, "enabled": True}
-
-
-def draft_logits(model, ids, mask, kept: torch.Tensor, loss_mask):
-    """Logits over the kept ids at the loss positions (N, K), float32; the passes run under AUTOCAST (bf16
-    matrix units make training several times faster on CPUs that have them; weights stay float32)."""
-    with torch.autocast("cpu", **AUTOCAST):
+def draft_logits(model, ids, mask, kept: torch.Tensor, loss_mask, autocast: str = "bfloat16"):
+    """Logits over the kept ids at the loss positions (N, K), float32; the passes run under autocast to that
+    dtype (bf16 matrix units make training several times faster on CPUs that have them; weights stay float32;
+    "float32" turns it off)."""
+    with torch.autocast("cpu", dtype=getattr(torch, autocast), enabled=autocast != "float32"):
         hidden = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state   # (B, S, d)
         head = model.lm_head.weight.index_select(0, kept)                                  # (K, d)
         return (hidden[loss_mask] @ head.T).float()                                        # (N, K)
@@ -209,7 +207,7 @@ def soft_loss(logits, t_idx, t_val):
 
 
 @torch.no_grad()
-def evaluate(model, val: list[int], rows, teacher, remap, kept, batch_tokens) -> dict:
+def evaluate(model, val: list[int], rows, teacher, remap, kept, batch_tokens, autocast: str = "bfloat16") -> dict:
     """Top-1 agreement with the teacher on the answers of held-out greedy rows (a proxy of greedy α)."""
     model.eval()
     agree = total = 0
@@ -217,7 +215,7 @@ def evaluate(model, val: list[int], rows, teacher, remap, kept, batch_tokens) ->
     greedy = [i for i in val if rows[i]["mode"] == "greedy"]
     for batch in batches(greedy, rows, batch_tokens, random.Random(0)):
         ids, mask, lm, t_idx, t_val = collate(batch, rows, teacher, remap, answers_only=True)
-        logits = draft_logits(model, ids, mask, kept, lm)
+        logits = draft_logits(model, ids, mask, kept, lm, autocast)
         top = teacher_top1(batch, rows, teacher, lm)
         agree += int((kept[logits.argmax(-1)] == top).sum())
         total += len(top)
@@ -243,7 +241,6 @@ def train(cfg: TrainConfig) -> None:
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    AUTOCAST.update(dtype=getattr(torch, cfg.autocast), enabled=cfg.autocast != "float32")
     work = Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
     rows = load_rows(cfg.data)
@@ -291,7 +288,7 @@ def train(cfg: TrainConfig) -> None:
         torch.set_rng_state(saved["rng"])
         print(f"resumed at step {state['step']}")
     else:
-        first = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
+        first = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens, cfg.autocast)
         state["history"].append({"step": 0, **first})
         print(f"step 0 ({cfg.init or f'target layers {cfg.layers}'}): val agreement {first['agreement']:.3f} "
               f"loss {first['loss']:.3f}")
@@ -318,7 +315,7 @@ def train(cfg: TrainConfig) -> None:
                 state["epoch"], state["batch"] = state["epoch"] + 1, 0
                 continue
             ids, mask, lm, t_idx, t_val = collate(order[state["batch"]], rows, teacher, remap, answers_only=True)
-            loss = soft_loss(draft_logits(model, ids, mask, kept, lm), t_idx[lm], t_val[lm])
+            loss = soft_loss(draft_logits(model, ids, mask, kept, lm, cfg.autocast), t_idx[lm], t_val[lm])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -329,7 +326,7 @@ def train(cfg: TrainConfig) -> None:
             state["wall_s"] = time.time() - started
             bar.update(task, advance=1, description=f"training (loss {loss.item():.3f}, epoch {state['epoch']})")
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-                m = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens)
+                m = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens, cfg.autocast)
                 state["history"].append({"step": state["step"], "train_loss": loss.item(), **m})
                 bar.console.print(f"step {state['step']}: val agreement {m['agreement']:.3f} loss {m['loss']:.3f}")
                 if m["agreement"] > state.get("best_agreement", -1.0):   # the draft that ships: the best seen
