@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
 from specrt.export.onnx_export import StagingDir, export_graph, model_entry
+from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
@@ -24,7 +25,7 @@ def _max_len(model, requested: int) -> int:
 
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
-                   medusa: str | None = None) -> Path:
+                   medusa: str | None = None, eagle: str | None = None) -> Path:
     out = Path(out)
     if max_seq_len < 2:
         raise InputError(f"--max-seq-len {max_seq_len}: must be at least 2")
@@ -68,6 +69,11 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
+            if role == "target" and eagle is not None:
+                drafter = load_eagle(eagle, model)
+                log("tracing the EAGLE drafter to ONNX")
+                export_eagle(drafter, tmp / "eagle.onnx")
+                models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids)
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}

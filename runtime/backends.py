@@ -77,16 +77,18 @@ class OrtEngine:
         bind(name, self.device.type, self.device.index or 0, elem, list(t.shape), t.data_ptr())
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
-                tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None) -> StepOutput:
+                tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None,
+                **extra: torch.Tensor) -> StepOutput:
         """Run one pass over S new tokens per row against `cache` (default: the last one created or used).
-        The cache is read, not written: see KVCache.write."""
+        The cache is read, not written: see KVCache.write. `extra`: further graph inputs by name (an EAGLE
+        drafter's `features`)."""
         if cache is not None and cache is not self._cache:
             self.use_cache(cache)
         assert self._cache is not None, "call new_cache() first"
         B, S = input_ids.shape
         num = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
-                 "tree_mask": tree_mask, "num_logits": num}
+                 "tree_mask": tree_mask, "num_logits": num, **extra}
         feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
         for name, t in feeds.items():
             self._bind("input", name, t)

@@ -1,0 +1,167 @@
+"""EAGLE-style feature drafter: one decoder layer of the target's shape over [feature; next-token embedding].
+
+Slot t reads the target's feature f_t (its last hidden state at position t, after the final norm: the `hidden`
+output of the target graph) and the embedding of token t + 1, fused by a linear layer 2d -> d, and predicts
+the feature at t + 1; the target's own LM head (restricted to the drafter's kept ids, if it has a
+`specrt_vocab.json`) turns it into the distribution of token t + 2. At draft time the drafter reads its own
+predicted features below the first tree level.
+
+Checkpoint directory: `eagle_config.json` (the layer's shape: hidden_size, intermediate_size, num_heads,
+num_kv_heads, head_dim; it must equal the target's), `eagle.safetensors` (`fc.*`, `layer.*`; the embeddings and
+the LM head are not stored, they come from the target at export) and optionally `specrt_vocab.json`.
+
+Graph (the engine contract, one layer): input_ids, position_ids, past_len, tree_mask, num_logits, `features`
+[B, S, d], k_cache_0, v_cache_0 -> logits [B, num_logits, V], hidden [B, S, d] (the predicted features),
+k_new_0, v_new_0.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrt.errors import InputError
+from specrt.export.model import Block, ModelArgs, SpecModel, full_vocab, rotate_half
+
+CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
+SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+class EagleModel(nn.Module):
+    """The trained part (`fc`, `layer`) on the target's frozen embeddings, LM head and rope tables."""
+
+    def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None):
+        super().__init__()
+        a = self.args = replace(target.args, num_layers=1)
+        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
+        self.layer = Block(a)
+        self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
+        head = target.lm_head.weight.detach()
+        if target.vocab_index is not None:   # a target that keeps a subset: back to the full rows is impossible
+            raise InputError("the EAGLE drafter reads the target's full LM head; export the target without a "
+                             "specrt_vocab.json")
+        index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size if index is None else len(index), bias=False)
+        self.lm_head.weight = nn.Parameter(head.clone() if index is None else head.index_select(0, index),
+                                           requires_grad=False)
+        self.register_buffer("vocab_index", index)
+        self.register_buffer("rope_cos", target.rope_cos, persistent=False)  # (Smax, D)
+        self.register_buffer("rope_sin", target.rope_sin, persistent=False)  # (Smax, D)
+
+    def fuse(self, features, input_ids):
+        """[f; e(x)] -> d, as two MatMuls (an int8 engine quantizes each input with its own scale: the features'
+        outliers would otherwise leave the embeddings a few levels, as with the Medusa heads)."""
+        d = self.args.hidden_size
+        w = self.fc.weight                                                      # (d, 2d)
+        return features @ w[:, :d].T + self.embed_tokens(input_ids) @ w[:, d:].T + self.fc.bias  # (B, S, d)
+
+    def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, features, k_cache, v_cache):
+        x = self.fuse(features, input_ids)                                      # (B, S, d)
+        cos = self.rope_cos[position_ids].unsqueeze(1)                          # (B, 1, S, D)
+        sin = self.rope_sin[position_ids].unsqueeze(1)                          # (B, 1, S, D)
+        hidden, k, v = self.layer(x, cos, sin, past_len, tree_mask, k_cache, v_cache)  # (B, S, d)
+        S = hidden.shape[1]
+        last = torch.arange(S - num_logits[0], S)
+        return self.logits(hidden.index_select(1, last)), hidden, k, v
+
+    def logits(self, hidden):
+        """Predicted features (..., d) -> logits (..., V), -inf outside the kept ids."""
+        logits = self.lm_head(hidden)
+        return logits if self.vocab_index is None else full_vocab(logits, self.vocab_index, self.args.vocab_size)
+
+    def train_forward(self, features, input_ids):
+        """Teacher-forced pass over whole sequences (B, S, d), (B, S) -> predicted features (B, S, d): the same
+        layer as `forward` with causal attention through SDPA (differentiable; `forward`'s attention op is not)."""
+        a, layer = self.args, self.layer
+        x = self.fuse(features, input_ids)
+        B, S, _ = x.shape
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]                         # (S, D)
+        h = layer.input_layernorm(x)
+        att = layer.self_attn
+        q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
+        k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
+        v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def trained_state(self) -> dict:
+        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layer."))}
+
+
+def new_eagle(target: SpecModel, vocab_subset: list[int] | None = None, seed: int = 0) -> EagleModel:
+    """A freshly initialised drafter (std 0.02 weights, zero biases, unit norms) for `target`."""
+    gen = torch.Generator().manual_seed(seed)
+    model = EagleModel(target, vocab_subset)
+    for name, p in model.named_parameters():
+        if name.startswith(("fc.", "layer.")):
+            with torch.no_grad():
+                p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p) if name.endswith("bias")
+                        else torch.randn(p.shape, generator=gen) * 0.02)
+    return model.eval()
+
+
+def save_eagle(model: EagleModel, directory: Path, dtype=torch.float16) -> None:
+    from safetensors.torch import save_file
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.trained_state().items()},
+              str(directory / WEIGHTS))
+    (directory / CONFIG).write_text(json.dumps({k: getattr(model.args, k) for k in SHAPE}) + "\n")
+    if model.vocab_index is not None:
+        from specrt.export.sources import VOCAB_FILE
+        (directory / VOCAB_FILE).write_text(json.dumps({"kept_ids": model.vocab_index.tolist()}) + "\n")
+
+
+def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
+    """The drafter of a checkpoint directory, on the embeddings, LM head and rope tables of `target`."""
+    from safetensors.torch import load_file
+
+    from specrt.export.sources import read_vocab_subset
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise InputError(f"--eagle {directory}: expected a directory with {CONFIG} and {WEIGHTS}")
+    config = json.loads((directory / CONFIG).read_text())
+    wrong = {k: (config.get(k), getattr(target.args, k)) for k in SHAPE if config.get(k) != getattr(target.args, k)}
+    if wrong:
+        raise InputError(f"--eagle {directory}: its layer does not have the target's shape "
+                         f"({', '.join(f'{k} {a} vs {b}' for k, (a, b) in wrong.items())}); train it for this target")
+    model = EagleModel(target, read_vocab_subset(directory, target.args.vocab_size))
+    frozen = {k: v for k, v in model.state_dict().items() if not k.startswith(("fc.", "layer."))}
+    try:
+        model.load_state_dict({**{k: v.float() for k, v in load_file(str(directory / WEIGHTS)).items()}, **frozen})
+    except RuntimeError as e:
+        raise InputError(f"--eagle {directory}: the weights do not match {CONFIG} ({e})") from e
+    return model.eval()
+
+
+def export_eagle(model: EagleModel, path: Path) -> None:
+    """torch.onnx (TorchScript tracer, one TreeAttention node), then the op's function attached."""
+    import onnx
+
+    from specrt.export.onnx_export import cache_names
+    from specrt.plugins.tree_attention import attach_function
+    a = model.args
+    B, S = 1, 3
+    caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2)]
+    args = (torch.zeros(B, S, dtype=torch.int64), torch.arange(S)[None], torch.zeros(B, dtype=torch.int64),
+            torch.ones(S, S, dtype=torch.bool).tril()[None], torch.tensor([S], dtype=torch.int64),
+            torch.zeros(B, S, a.hidden_size), *caches)
+    cache_in, cache_out = cache_names(1)
+    inputs = ["input_ids", "position_ids", "past_len", "tree_mask", "num_logits", "features", *cache_in]
+    dyn = {"input_ids": {0: "B", 1: "S"}, "position_ids": {0: "B", 1: "S"}, "past_len": {0: "B"},
+           "tree_mask": {0: "B", 1: "S", 2: "S"}, "features": {0: "B", 1: "S"}, "logits": {0: "B", 1: "num_logits"},
+           "hidden": {0: "B", 1: "S"}}
+    dyn.update({n: {0: "B", 2: "cache_len"} for n in cache_in})
+    dyn.update({n: {0: "B", 2: "S"} for n in cache_out})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=inputs,
+                          output_names=["logits", "hidden", *cache_out], dynamic_axes=dyn,
+                          do_constant_folding=True, custom_opsets={"specrt": 1})
+    onnx.save(attach_function(onnx.load(str(path))), str(path))
