@@ -29,7 +29,7 @@ def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
     ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
-DRAFTER_ROLES = ("draft", "medusa")
+DRAFTER_ROLES = ("draft", "medusa", "eagle")
 
 
 def quantize_int8(graph: Path, out: Path) -> None:
@@ -70,45 +70,76 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8") -> dict:
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)   # verification widths that get a static-shape target graph on CUDA
+
+
+def resolve_dtype(device: str, dtype: str | None) -> str:
+    if device not in DEVICES:
+        raise BackendError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    dtype = dtype or ("float16" if device == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise BackendError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if device == "cpu" and dtype != "float32":
+        raise BackendError(f"--dtype {dtype} is for CUDA engines: add --device cuda, or use --dtype float32")
+    return dtype
+
+
+def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8",
+          device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS) -> dict:
     """Build every model of the engine set; each engine file is written beside its final name and renamed
     only when complete, and the manifest is updated atomically at the end. `drafter_weights` "int8" quantizes
     the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`); the target always
-    keeps its exported weights."""
+    keeps its exported weights. `device` "cuda" builds ONNX Runtime engines for the CUDA provider instead
+    (see `specrt.export.cuda_build`: `dtype` weights and compute, static-shape target graphs for `widths`)."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
+    dtype = resolve_dtype(device, dtype)
     directory = Path(directory)
     manifest = read_manifest(directory)
-    backend = resolve_backend(backend)
-    if backend == "onnxruntime" and not tensorrt_available():
-        log("TensorRT not installed: building ONNX Runtime engines")
-    for role, spec in manifest["models"].items():
-        graph = check_file(directory, spec["graph"], f"{role} graph")
-        suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
-        engine = directory / f"{role}{suffix}"
-        partial = directory / f".{role}{suffix}.partial"
-        quantized = directory / f".{role}.int8.partial"
-        weights = spec.get("dtype", "float32")
-        try:
-            if backend == "tensorrt" and role != "medusa":
-                build_tensorrt(graph, partial, spec["max_seq_len"])
-            elif role in DRAFTER_ROLES and drafter_weights == "int8":
-                quantize_int8(graph, quantized)
-                build_ort(quantized, partial)
-                weights = "int8"
-            else:
-                build_ort(graph, partial)
-            os.replace(partial, engine)
-        finally:
-            partial.unlink(missing_ok=True)
-            quantized.unlink(missing_ok=True)
-        spec["engine"] = {**file_entry(directory, engine.name), "weights": weights,
-                          "backend": "onnxruntime" if suffix == ".ort.onnx" else backend}
-        log(f"built {role} ({weights} weights): {engine}")
+    if device == "cuda":
+        if backend == "tensorrt":
+            raise BackendError("--device cuda builds ONNX Runtime engines; TensorRT engines are built without "
+                               "--device (use --backend onnxruntime, or drop --device)")
+        from specrt.export.cuda_build import build_cuda
+        backend = "onnxruntime"
+        build_cuda(directory, manifest, dtype, widths, log)
+    else:
+        backend = resolve_backend(backend)
+        if backend == "onnxruntime" and not tensorrt_available():
+            log("TensorRT not installed: building ONNX Runtime engines")
+        for role, spec in manifest["models"].items():
+            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights)
+            log(f"built {role} ({spec['engine']['weights']} weights): {directory / spec['engine']['file']}")
     manifest["backend"] = backend
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
     write_manifest(directory, manifest)
     return manifest
+
+
+def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str) -> dict:
+    graph = check_file(directory, spec["graph"], f"{role} graph")
+    suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
+    engine = directory / f"{role}{suffix}"
+    partial = directory / f".{role}{suffix}.partial"
+    quantized = directory / f".{role}.int8.partial"
+    weights = spec.get("dtype", "float32")
+    try:
+        if backend == "tensorrt" and role != "medusa":
+            build_tensorrt(graph, partial, spec["max_seq_len"])
+        elif role in DRAFTER_ROLES and drafter_weights == "int8":
+            quantize_int8(graph, quantized)
+            build_ort(quantized, partial)
+            weights = "int8"
+        else:
+            build_ort(graph, partial)
+        os.replace(partial, engine)
+    finally:
+        partial.unlink(missing_ok=True)
+        quantized.unlink(missing_ok=True)
+    return {**file_entry(directory, engine.name), "weights": weights,
+            "backend": "onnxruntime" if suffix == ".ort.onnx" else backend}
 
 
 def _versions(backend: str) -> dict:

@@ -1,4 +1,5 @@
-"""The `TreeAttention` op (domain `specrt`): a float64 reference, a torch implementation and its ONNX function.
+"""The `TreeAttention` op (domain `specrt`): a float64 reference, a torch implementation and its ONNX functions
+(a dynamic body that reads the valid cache prefix, and a static one for fixed-shape graphs).
 
 Inputs: query [B,H,S,D], static cache keys/values [B,Hkv,Smax,D], new keys/values [B,Hkv,S,D],
 `past_len` [B] (valid cached positions per row) and `tree_mask` [B,S,S] (node i may see node j).
@@ -139,10 +140,81 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
                                 opset_imports=[helper.make_opsetid("", opset)], attributes=["scale"])
 
 
-def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give a graph that uses `specrt::TreeAttention` the op's function body and opset import."""
+def static_function_proto(opset: int = 17) -> onnx.FunctionProto:
+    """A second body for the same op, for graphs whose shapes are all fixed (CUDA graph capture): attention over
+    the whole static cache [B,Hkv,Smax,D], slots at or past `past_len` masked out, no slice to max(past_len).
+    Its Shape nodes read static shapes only, so ONNX Runtime folds them to constants. Constants follow the
+    query's dtype (CastLike), so float16 and bfloat16 graphs use it unchanged. The cache past `past_len` must
+    hold finite values (zero weight times NaN is NaN); the static caches only ever hold written entries or zeros."""
+    n = helper.make_node
+
+    def ints(name, vals):
+        return n("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(vals)], vals))
+
+    def scalar(name, val, dtype):
+        return n("Constant", [], [name], value=helper.make_tensor(name, dtype, [], [val]))
+
+    scale = n("Constant", [], ["scale_f"])
+    scale.attribute.append(onnx.AttributeProto(name="value_float", ref_attr_name="scale",
+                                               type=onnx.AttributeProto.FLOAT))
+    nodes = [
+        ints("i0", [0]), ints("i1", [1]), ints("i2", [2]), ints("i3", [3]), ints("i4", [4]), ints("im1", [-1]),
+        scalar("zero", 0, TensorProto.INT64), scalar("one", 1, TensorProto.INT64),
+        scalar("fzero", 0.0, TensorProto.FLOAT), scalar("ninf", float("-inf"), TensorProto.FLOAT), scale,
+        n("CastLike", ["scale_f", "query"], ["scale"]),
+        n("Concat", ["k_cache", "k_new"], ["keys"], axis=2),             # (B, Hkv, Smax+S, D)
+        n("Concat", ["v_cache", "v_new"], ["values"], axis=2),
+        # visibility (B, S, Smax+S): cache slot j iff j < past_len[b]; new token j iff tree_mask[b, i, j]
+        n("Shape", ["k_cache"], ["kv_shape"]),                           # [B, Hkv, Smax, D], static
+        n("Slice", ["kv_shape", "i2", "i3", "i0"], ["Smax1"]),
+        n("Squeeze", ["Smax1", "i0"], ["Smax"]),
+        n("Range", ["zero", "Smax", "one"], ["slots"]),                  # (Smax,), a constant once folded
+        n("Unsqueeze", ["slots", "i0"], ["slots_row"]),                  # (1, Smax)
+        n("Unsqueeze", ["past_len", "i1"], ["past_col"]),                # (B, 1)
+        n("Less", ["slots_row", "past_col"], ["cache_ok"]),              # (B, Smax)
+        n("Unsqueeze", ["cache_ok", "i1"], ["cache_ok3"]),               # (B, 1, Smax)
+        n("Shape", ["tree_mask"], ["mask_shape"]),                       # [B, S, S]
+        n("Slice", ["mask_shape", "i0", "i2", "i0"], ["BS"]),
+        n("Slice", ["mask_shape", "i1", "i2", "i0"], ["S1"]),
+        n("Concat", ["BS", "Smax1"], ["BSL"], axis=0),
+        n("Expand", ["cache_ok3", "BSL"], ["cache_ok_s"]),               # (B, S, Smax)
+        n("Concat", ["cache_ok_s", "tree_mask"], ["visible"], axis=2),   # (B, S, Smax+S)
+        n("Where", ["visible", "fzero", "ninf"], ["bias_f"]),
+        n("CastLike", ["bias_f", "query"], ["bias3"]),
+        n("Unsqueeze", ["bias3", "i1"], ["bias4"]),                      # (B, 1, S, Smax+S)
+        n("Unsqueeze", ["bias4", "i1"], ["bias"]),                       # (B, 1, 1, S, Smax+S)
+        # grouped-query attention without repeating the cache: (B, H, S, D) -> (B, Hkv, G*S, D)
+        n("Shape", ["query"], ["q_shape"]),
+        n("Slice", ["kv_shape", "i1", "i2", "i0"], ["Hkv"]),
+        n("Slice", ["q_shape", "i3", "i4", "i0"], ["D"]),
+        n("Concat", ["i0", "Hkv", "im1", "D"], ["qg_shape"], axis=0),
+        n("Reshape", ["query", "qg_shape"], ["qg"]),                     # (B, Hkv, G*S, D)
+        n("Transpose", ["keys"], ["keys_t"], perm=[0, 1, 3, 2]),         # (B, Hkv, D, Smax+S)
+        n("MatMul", ["qg", "keys_t"], ["raw"]),                          # (B, Hkv, G*S, Smax+S)
+        n("Mul", ["raw", "scale"], ["scores"]),
+        n("Shape", ["raw"], ["raw_shape"]),
+        n("Slice", ["raw_shape", "i3", "i4", "i0"], ["LS"]),
+        n("Concat", ["i0", "i0", "im1", "S1", "LS"], ["s5_shape"], axis=0),
+        n("Reshape", ["scores", "s5_shape"], ["scores5"]),               # (B, Hkv, G, S, Smax+S)
+        n("Add", ["scores5", "bias"], ["masked"]),
+        n("Softmax", ["masked"], ["probs5"], axis=-1),
+        n("Reshape", ["probs5", "raw_shape"], ["probs"]),                # (B, Hkv, G*S, Smax+S)
+        n("MatMul", ["probs", "values"], ["context"]),                   # (B, Hkv, G*S, D)
+        n("Reshape", ["context", "q_shape"], ["output"]),                # (B, H, S, D)
+    ]
+    return helper.make_function(DOMAIN, OP_TYPE, INPUTS, ["output"], nodes,
+                                opset_imports=[helper.make_opsetid("", opset)], attributes=["scale"])
+
+
+def attach_function(model: onnx.ModelProto, static: bool = False) -> onnx.ModelProto:
+    """Give a graph that uses `specrt::TreeAttention` the op's function body and opset import. `static`
+    replaces any body it has with `static_function_proto` (graphs with every shape fixed)."""
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
+    if static:
+        kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
+        del model.functions[:]
+        model.functions.extend(kept + [static_function_proto(opset)])
+    elif not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
         model.functions.append(function_proto(opset))
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))

@@ -1,0 +1,188 @@
+"""ONNX Runtime engines for the CUDA provider, built from the exported graphs of the engine contract.
+
+Per model: the exported graph in the engine dtype (float32, float16 or bfloat16; `logits` and `hidden` stay
+float32, cast inside the graph, so verification and the Medusa heads read what they read on the CPU), with
+ONNX Runtime's provider-independent optimisations applied; the rest (fusions for the provider) happens when
+the session loads on the device. The target also gets one graph per verification width W with every shape
+fixed (B = 1, S = W, caches [1, Hkv, max_seq_len, D], num_logits = W) and TreeAttention's static body, so
+that no shape arithmetic is left once folded and ONNX Runtime can capture a CUDA graph of each.
+The graphs of one model keep their weights in one shared external file (each tensor stored once).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from specrt.manifest import check_file, file_entry
+from specrt.plugins.tree_attention import attach_function
+
+KEPT_FLOAT32 = ["logits", "hidden"]
+FLOAT32_OPS = ["Pow", "ReduceMean"]   # RMSNorm's mean of squares: x² of a residual stream overflows float16
+MIN_EXTERNAL = 1024   # bytes: smaller tensors stay inside each graph
+
+
+def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, ...], log) -> None:
+    """Write every model's CUDA engine files (partial names first), then set each model's engine entry."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        entries = {}
+        for role, spec in manifest["models"].items():
+            graph = check_file(directory, spec["graph"], f"{role} graph")
+            role_dtype = "float32" if role == "medusa" else dtype   # the heads are small: kept float32
+            entries[role] = _build_model(directory, role, spec, graph, role_dtype,
+                                         widths if role == "target" else (), staged)
+            log(f"built {role} for CUDA ({role_dtype}"
+                + (f", static widths {','.join(map(str, widths))})" if role == "target" else ")"))
+        for partial, final in staged:
+            os.replace(partial, final)
+        for role, entry in entries.items():
+            manifest["models"][role]["engine"] = _entry(directory, entry)
+    finally:
+        for partial, _ in staged:
+            partial.unlink(missing_ok=True)
+
+
+def _build_model(directory: Path, role: str, spec: dict, graph: Path, dtype: str, widths, staged) -> dict:
+    weights = _SharedWeights(directory, f"{role}.cuda.weights", staged)
+    dynamic = onnx.load(str(graph))
+    files = {"engine": weights.save(_prepare(dynamic, dtype), f"{role}.cuda.onnx")}
+    for w in widths:
+        files[str(w)] = weights.save(_prepare(static_graph(dynamic, w, spec), dtype), f"{role}.w{w}.cuda.onnx")
+    weights.close()
+    return {"files": files, "weights_file": weights.name, "dtype": dtype, "widths": [str(w) for w in widths]}
+
+
+def _entry(directory: Path, e: dict) -> dict:
+    return {**file_entry(directory, e["files"]["engine"]), "weights": e["dtype"], "backend": "onnxruntime",
+            "device": "cuda", "dtype": e["dtype"], "weights_file": file_entry(directory, e["weights_file"]),
+            "widths": {w: file_entry(directory, e["files"][w]) for w in e["widths"]}}
+
+
+def static_graph(model: onnx.ModelProto, width: int, spec: dict) -> onnx.ModelProto:
+    """The contract graph with every shape fixed for one verification width: B = 1, S = `width`,
+    caches of max_seq_len, num_logits = width (a constant), TreeAttention's static body."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    kv = [1, spec["kv_heads"], spec["max_seq_len"], spec["head_dim"]]
+    new = [1, spec["kv_heads"], width, spec["head_dim"]]
+    shapes = {"input_ids": [1, width], "position_ids": [1, width], "past_len": [1],
+              "tree_mask": [1, width, width], "logits": [1, width, spec["vocab_size"]],
+              "hidden": [1, width, spec["hidden_size"]]}
+    for io in [*m.graph.input, *m.graph.output]:
+        dims = shapes.get(io.name) or (kv if "_cache_" in io.name else new if "_new_" in io.name else None)
+        if dims is not None:
+            _set_dims(io, dims)
+    keep = [i for i in m.graph.input if i.name != "num_logits"]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    m.graph.initializer.append(numpy_helper.from_array(np.array([width], np.int64), "num_logits"))
+    del m.graph.value_info[:]
+    return attach_function(m, static=True)
+
+
+def _set_dims(io: onnx.ValueInfoProto, dims: list[int]) -> None:
+    shape = io.type.tensor_type.shape
+    del shape.dim[:]
+    for d in dims:
+        shape.dim.add().dim_value = d
+
+
+def _prepare(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
+    """Fold what the shapes allow (float32, provider-independent), then convert to `dtype`."""
+    return to_dtype(_optimize_basic(model), dtype)
+
+
+def _optimize_basic(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX Runtime's basic level (constant folding, shapes included where static; provider-independent) on
+    the inlined graph. The result has no functions left: the dtype conversion sees every node."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+
+
+def to_dtype(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
+    """float16: ONNX Runtime's converter (Cast nodes where an op must stay float32, RMSNorm's mean of squares
+    among them); `logits` and `hidden` stay float32 outputs. bfloat16: the same graph with every float16 tensor re-typed as bfloat16."""
+    if dtype == "float32":
+        return model
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
+    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32,
+                                     op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS])
+    if dtype == "bfloat16":
+        _float16_to_bfloat16(model, originals)
+    return model
+
+
+def _float16_to_bfloat16(model: onnx.ModelProto, originals: dict) -> None:
+    g = model.graph
+    for i, t in enumerate(g.initializer):
+        if t.data_type == TensorProto.FLOAT16:
+            src = originals.get(t.name)
+            src = numpy_helper.to_array(t).astype(np.float32) if src is None else src
+            g.initializer[i].CopyFrom(_bfloat16(src, t.name))
+    for node in g.node:
+        for a in node.attribute:
+            if a.name == "to" and a.i == TensorProto.FLOAT16:
+                a.i = TensorProto.BFLOAT16
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT16:
+                a.t.CopyFrom(_bfloat16(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+    for v in [*g.input, *g.output, *g.value_info]:
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            v.type.tensor_type.elem_type = TensorProto.BFLOAT16
+
+
+def _bfloat16(x: np.ndarray, name: str) -> onnx.TensorProto:
+    """float32 -> a BFLOAT16 tensor, rounded to nearest even (infinities kept)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded = np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    return onnx.helper.make_tensor(name, TensorProto.BFLOAT16, x.shape, rounded.tobytes(), raw=True)
+
+
+class _SharedWeights:
+    """One external-data file for the graphs of one model: each distinct large tensor is written once and
+    every graph that holds it points at the same bytes."""
+
+    def __init__(self, directory: Path, name: str, staged: list):
+        self.directory, self.name, self.staged = directory, name, staged
+        self.partial = directory / f".{name}.partial"
+        staged.append((self.partial, directory / name))
+        self.file = open(self.partial, "wb")
+        self.offsets: dict[str, tuple[int, int]] = {}
+
+    def save(self, model: onnx.ModelProto, name: str) -> str:
+        for t in model.graph.initializer:
+            if not t.HasField("raw_data"):
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
+            if len(t.raw_data) < MIN_EXTERNAL:
+                continue
+            digest = hashlib.sha256(t.raw_data).hexdigest()
+            if digest not in self.offsets:
+                self.offsets[digest] = (self.file.tell(), len(t.raw_data))
+                self.file.write(t.raw_data)
+            offset, length = self.offsets[digest]
+            t.ClearField("raw_data")
+            t.data_location = TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", self.name), ("offset", str(offset)), ("length", str(length))):
+                t.external_data.add(key=k, value=v)
+        partial = self.directory / f".{name}.partial"
+        self.staged.append((partial, self.directory / name))
+        onnx.save(model, str(partial))
+        return name
+
+    def close(self) -> None:
+        self.file.close()
