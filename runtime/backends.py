@@ -10,9 +10,11 @@ import torch
 
 from specrt.errors import BackendError
 from specrt.kv_cache import KVCache
+from specrt.tensorrt_backend import TensorRTEngine  # noqa: F401  (the backend of TensorRT engine sets)
 
 
-NUMPY_TYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.bool: 9}  # TensorProto
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -20,6 +22,31 @@ class StepOutput:
     logits: torch.Tensor   # (B, num_logits, V)
     hidden: torch.Tensor   # (B, S, d)
     new_kv: torch.Tensor   # (2L, B, Hkv, S, D)
+
+
+def engine_dtype(spec: dict) -> torch.dtype:
+    """The dtype of an engine's caches and new keys/values (logits and hidden are float32 in every engine)."""
+    return DTYPES[spec.get("engine", {}).get("dtype", "float32")]
+
+
+def session_options(ort, spec: dict, threads: int | None):
+    """Engines built for CUDA carry only provider-independent optimisations: the session adds the rest (the
+    fusions for its provider) when it loads. CPU engines were optimised when built."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or default_threads()
+    built_for_cuda = spec.get("engine", {}).get("device") == "cuda"
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED if built_for_cuda \
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
+
+
+def providers(device: torch.device, spec: dict, **cuda_options: str) -> list:
+    """CUDA: TF32 off for float32 engines (the provider's default uses it), so that they agree with the CPU."""
+    if device.type != "cuda":
+        return ["CPUExecutionProvider"]
+    if engine_dtype(spec) == torch.float32:
+        cuda_options["use_tf32"] = "0"
+    return [("CUDAExecutionProvider", {"device_id": str(device.index or 0), **cuda_options})]
 
 
 def default_threads() -> int:
@@ -38,11 +65,9 @@ class OrtEngine:
             raise BackendError("onnxruntime is not installed: pip install 'specrt[cpu]' "
                                "(or 'specrt[gpu]' on an NVIDIA machine)") from e
         self.ort, self.spec, self.device = ort, spec, torch.device(device)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or default_threads()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # built ahead of time
-        providers = ["CUDAExecutionProvider"] if self.device.type == "cuda" else ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.dtype = engine_dtype(spec)
+        options = session_options(ort, spec, threads)
+        self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
         self.binding = self.session.io_binding()
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
@@ -54,7 +79,7 @@ class OrtEngine:
         """A cache of `length` slots per row (default and at most the engine's max_seq_len)."""
         s = self.spec
         length = min(length or s["max_seq_len"], s["max_seq_len"])
-        cache = KVCache(s["layers"], batch, s["kv_heads"], length, s["head_dim"], self.device)
+        cache = KVCache(s["layers"], batch, s["kv_heads"], length, s["head_dim"], self.device, self.dtype)
         self.use_cache(cache)
         return cache
 
@@ -64,17 +89,15 @@ class OrtEngine:
             self._bind("input", f"{'kv'[i % 2]}_cache_{i // 2}", buf)
         self._cache = cache
 
-    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A flat output buffer that only grows (no allocation in steady state)."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel:
-            buf = self._buffers[name] = torch.empty(numel, device=self.device)
+            buf = self._buffers[name] = torch.empty(numel, device=self.device, dtype=dtype)
         return buf
 
     def _bind(self, kind: str, name: str, t: torch.Tensor) -> None:
-        elem = NUMPY_TYPES[t.dtype]
-        bind = self.binding.bind_input if kind == "input" else self.binding.bind_output
-        bind(name, self.device.type, self.device.index or 0, elem, list(t.shape), t.data_ptr())
+        bind_tensor(self.binding, kind, name, t, self.device)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
                 tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None,
@@ -105,7 +128,7 @@ class OrtEngine:
         logits = logits.view(B, num_logits, s["vocab_size"])
         hidden = self._buffer("hidden", B * S * s["hidden_size"]).narrow(0, 0, B * S * s["hidden_size"]).view(B, S, -1)
         per_layer = B * s["kv_heads"] * S * s["head_dim"]
-        new_kv = self._buffer("new_kv", 2 * self.layers * per_layer).narrow(0, 0, 2 * self.layers * per_layer)
+        new_kv = self._buffer("new_kv", 2 * self.layers * per_layer, self.dtype).narrow(0, 0, 2 * self.layers * per_layer)
         new_kv = new_kv.view(2 * self.layers, B, s["kv_heads"], S, s["head_dim"])
         self._bind("output", "logits", logits)
         self._bind("output", "hidden", hidden)
@@ -117,9 +140,9 @@ class OrtEngine:
         """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""
         from specrt.drafters import chain_mask
         cache = self.new_cache(1, len(ids) + 1)
-        S = len(ids)
-        return self.forward(torch.tensor([ids]), torch.arange(S)[None], cache.past_len, chain_mask(1, S),
-                            num_logits, cache)
+        S, dev = len(ids), self.device
+        return self.forward(torch.tensor([ids], device=dev), torch.arange(S, device=dev)[None], cache.past_len,
+                            chain_mask(1, S).to(dev), num_logits, cache)
 
     def time_pass(self, context: int, k: int, reps: int = 3) -> float:
         """Best-of-`reps` seconds of one pass over k tokens after `context` cached positions."""
@@ -127,9 +150,10 @@ class OrtEngine:
         from specrt.drafters import chain_mask
         cache = self.new_cache(1, context + k)
         cache.truncate(max(context, 0))
-        ids = torch.zeros(1, k, dtype=torch.int64)
-        pos = (cache.past_len[:, None] + torch.arange(k)).contiguous()
-        mask = chain_mask(1, k)
+        dev = self.device
+        ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
+        pos = (cache.past_len[:, None] + torch.arange(k, device=dev)).contiguous()
+        mask = chain_mask(1, k).to(dev)
         return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache), reps)
 
 
@@ -168,23 +192,6 @@ class OrtHeads:
         feeds = {"hidden": hidden, "tokens": tokens, "head": head}
         feeds = {k: v.detach().cpu().contiguous().numpy() for k, v in feeds.items()}
         return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
-
-
-class TensorRTEngine:
-    """TensorRT engines built from the same ONNX graphs, with the TreeAttention plugin. Not installable on the
-    machines this project is tested on; kept thin and behind the OrtEngine interface."""
-
-    name = "tensorrt"
-
-    def __init__(self, path: Path, spec: dict, device: str = "cuda", threads: int | None = None):
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError as e:
-            raise BackendError("the engine set was built for TensorRT but tensorrt is not installed: "
-                               "pip install 'specrt[gpu]' on an NVIDIA machine, or rebuild with "
-                               "`specrt build DIR --backend onnxruntime`") from e
-        raise BackendError("TensorRT execution is not implemented in this version; rebuild with "
-                           "`specrt build DIR --backend onnxruntime`")
 
 
 def pick_device(requested: str = "auto") -> str:
