@@ -34,15 +34,18 @@ def main():
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
               help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
+@click.option("--eagle", default=None, type=click.Path(exists=True, file_okay=False),
+              help="EAGLE drafter directory (eagle_config.json + eagle.safetensors) for the target.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
-def export(target, draft, medusa, out, max_seq_len, force):
+def export(target, draft, medusa, eagle, out, max_seq_len, force):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
-        export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa)
+        export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
+                       eagle=eagle)
     except SpecrtError as e:
         _fail(e)
 
@@ -85,7 +88,7 @@ def sampling_options(f):
         click.option("--top-k", default=0, show_default=True, help="0 is off."),
         click.option("--top-p", default=1.0, show_default=True, help="1 is off."),
         click.option("--seed", default=None, type=int, help="Same seed, same output."),
-        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa"]),
+        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
                      default="autoregressive", show_default=True),
         click.option("--tree", is_flag=True, help="draft: propose a tree (top-k branching along the chain)."),
         click.option("--tree-choices", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -134,7 +137,8 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram", "medusa"]), default="draft", show_default=True)
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle"]), default="draft",
+              show_default=True)
 @click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")

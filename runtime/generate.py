@@ -12,12 +12,13 @@ from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.backends import OrtEngine, OrtHeads, TensorRTEngine, pick_device
 from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
+from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
 from specrt.sampling import SamplingParams, argmax, probs, sample
 from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
-METHODS = ("autoregressive", "draft", "ngram", "medusa")
+METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 MAX_GAMMA = 8
 
 
@@ -42,6 +43,8 @@ class _Run:
     cache_len: int = 0              # slots per row in this request's caches (<= max_len)
     cache: object = None            # the target's KVCache
     hidden: torch.Tensor | None = None  # (B, d) target hidden state at each row's last accepted position
+    prompt_hidden: torch.Tensor | None = None  # (1, m, d) the prefill's hidden states of the prompt
+    path_hidden: torch.Tensor | None = None    # (B, D+1, d) the last verify's, along each accepted path
     active: list[bool] = field(default_factory=list)
     stop_reason: list[str | None] = field(default_factory=list)
     rounds: int = 0
@@ -61,9 +64,10 @@ class _Run:
 class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
-    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None):
+    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None):
         self.directory, self.manifest = directory, manifest
         self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
+        self.eagle = eagle
         self.engine_time = 0.0
         self._costs: Costs | None = None
 
@@ -96,7 +100,8 @@ class Generator:
                 check_file(directory, entry, "tokenizer")
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"))
+        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"),
+                   engines.get("eagle"))
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -109,9 +114,9 @@ class Generator:
             return list(ids)
         return self.tokenizer(prompt)["input_ids"]
 
-    def _timed(self, engine, cache, ids, pos, mask, num_logits):
+    def _timed(self, engine, cache, ids, pos, mask, num_logits, **extra):
         t = time.perf_counter()
-        out = engine.forward(ids, pos, cache.past_len, mask, num_logits, cache)
+        out = engine.forward(ids, pos, cache.past_len, mask, num_logits, cache, **extra)
         self.engine_time += time.perf_counter() - t
         return out
 
@@ -170,6 +175,8 @@ class Generator:
             raise InputError(f"--method draft: {self.directory} has no draft model; export with --draft SOURCE")
         if method == "medusa" and self.medusa is None:
             raise InputError(f"--method medusa: {self.directory} has no Medusa heads; export with --medusa PATH")
+        if method == "eagle" and self.eagle is None:
+            raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter; export with --eagle PATH")
         if gamma is not None and not 1 <= gamma <= 64:
             raise InputError(f"gamma {gamma}: must be between 1 and 64")
         if max_new_tokens < 1 or num_return_sequences < 1:
@@ -205,6 +212,8 @@ class Generator:
             return NgramDrafter(ngram_max, ngram_min)
         if method == "medusa":
             return MedusaDrafter(self.medusa, self.tree_for("medusa", tree_choices))
+        if method == "eagle":
+            return EagleDrafter(self.eagle, self._timed, DynamicTree(**self.eagle.spec.get("dynamic_tree", {})))
         if tree or tree_choices is not None:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)
@@ -232,6 +241,7 @@ class Generator:
         one.past_len += m
         logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
         run.hidden = out.hidden[:, -1].expand(B, -1).clone()                            # (B, d)
+        run.prompt_hidden = out.hidden.clone()                                          # (1, m, d)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         run.cache = one
         if B > 1:
@@ -275,6 +285,7 @@ class Generator:
             path = torch.arange(g + 1).expand(B, -1)
         last_node = path.gather(1, n[:, None])[:, 0]
         run.hidden = out.hidden[torch.arange(B), last_node]                             # (B, d) for Medusa
+        run.path_hidden = out.hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden.shape[-1]))
         return n, nxt, path, ids
 
     def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor, path: torch.Tensor,

@@ -1,0 +1,151 @@
+"""The EAGLE drafter (see specrt.export.eagle) and its dynamic trees (EAGLE-2).
+
+Cache invariant: before a round the drafter's cache holds slots 0 .. n−2 of a row of n tokens, where slot t
+was fed the target's feature at position t and token t + 1. The target's features come from its passes: the
+prompt's from the prefill (`run.prompt_hidden`), then those of each round's accepted path (`run.path_hidden`,
+root first), so a round first feeds the slots its cache lacks (catch-up: the accepted count + 1 per row) and
+reads the distribution of the first tree level from the last of them.
+
+The tree grows from there: a frontier of the `top_k` nodes with the best cumulative draft log-probability per
+depth, each expanded to its `top_k` most probable children, for `depth` levels; the `nodes` best of every
+candidate by that score form the round's tree (scores fall along a path, so it contains its ancestors). Rows
+of a batch share the tree's shape (rank paths chosen by the mean probability over the live rows; for one row
+exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level is one pass over the frontiers
+so far (an expansion node must see its ancestors, which are not in the cache), with its output features fed
+to its children; the expansion passes write nothing to the cache.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specrt.drafters import Proposal, chain_mask
+from specrt.errors import InputError
+from specrt.sampling import top_k_ids
+from specrt.tree import Tree
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    top_k: int = 4       # children expanded per frontier node, and frontier width
+    depth: int = 5       # levels grown
+    nodes: int = 16      # nodes verified per round (below the root)
+
+    def __post_init__(self):
+        if not (1 <= self.top_k <= 16 and 1 <= self.depth <= 16 and self.depth <= self.nodes <= 256):
+            raise InputError(f"dynamic tree top_k {self.top_k}, depth {self.depth}, nodes {self.nodes}: need "
+                             "1 <= top_k <= 16, 1 <= depth <= 16 and depth <= nodes <= 256")
+
+    @property
+    def envelope(self) -> Tree:
+        """A tree of the largest size and depth a round may propose (the loop sizes its cache room by it)."""
+        return Tree.from_paths([(0,) * d for d in range(1, self.depth + 1)] +
+                               [(r,) for r in range(1, self.nodes - self.depth + 1)])
+
+
+@functools.lru_cache(maxsize=4096)
+def tree_of(paths: tuple[tuple[int, ...], ...]) -> Tree:
+    """Trees recur from round to round: build each shape once."""
+    return Tree.from_paths(paths)
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree()):
+        self.engine, self.timer, self.shape = engine, timer, shape
+        self.tree = shape.envelope
+
+    def start(self, run) -> None:
+        B = run.batch
+        self.cache = self.engine.new_cache(B, run.cache_len)
+        self.source = (run.prompt_hidden.expand(B, -1, -1), torch.zeros(B, dtype=torch.int64))
+        self.next_round, self.root = run.rounds, None
+
+    def propose(self, run, gamma: int) -> Proposal:
+        if self.source is None:
+            # in step with the loop, the last verify's root was each row's last token then; after rounds this
+            # drafter sat out (plain steps, one token each) only the last one's feature is known: it stands in
+            root = self.root if run.rounds == self.next_round else run.lengths - 2
+            self.source = (run.path_hidden, root)
+        logits, feature = self._catch_up(run)
+        self.source, self.root, self.next_round = None, run.lengths - 1, run.rounds + 1
+        tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
+        return Proposal(tokens, None, torch.ones_like(tokens, dtype=torch.bool), tree)
+
+    def _catch_up(self, run):
+        """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
+        logits (B, V) and the predicted feature there (B, d)."""
+        B, cache = run.batch, self.cache
+        feats, root = self.source                                                   # (B, F, d), (B,)
+        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
+        S = max(1, int(count.max()))
+        slots = cache.past_len[:, None] + torch.arange(S)                           # (B, S)
+        index = (slots - root[:, None]).clamp(0, feats.shape[1] - 1)
+        x = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))       # (B, S, d)
+        ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
+        last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
+        num = S - int(last.min())
+        out = self.timer(self.engine, cache, ids, slots.clamp(max=run.max_len - 1), chain_mask(B, S), num,
+                         features=x)
+        cache.write(out.new_kv)
+        cache.past_len += count
+        rows = torch.arange(B)
+        return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
+
+    def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, torch.Tensor]:
+        """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N)."""
+        k, B = self.shape.top_k, run.batch
+        live = torch.tensor(run.active)
+        logp = torch.log_softmax(logits.float(), -1)
+        tok = top_k_ids(logp, k)                                                    # (B, k)
+        paths = [(r,) for r in range(k)]                                            # the frontier, shared
+        score, feat = logp.gather(1, tok), feature[:, None].expand(-1, k, -1)       # (B, k), (B, k, d)
+        cand_paths, cand_tok, cand_score = list(paths), [tok], [score]
+        fed_tok, fed_feat, fed_paths = [], [], []
+        for d in range(1, depth):
+            fed_tok.append(tok)
+            fed_feat.append(feat)
+            fed_paths += paths
+            out = self._expand(run, torch.cat(fed_tok, 1), torch.cat(fed_feat, 1), fed_paths, k)
+            child_logp = torch.log_softmax(out.logits.float(), -1)                 # (B, k, V)
+            ctok = top_k_ids(child_logp, k)                                         # (B, k, k)
+            cscore = (score[..., None] + child_logp.gather(-1, ctok)).flatten(1)  # (B, k*k)
+            children = [p + (r,) for p in paths for r in range(k)]
+            cand_paths += children
+            cand_tok.append(ctok.flatten(1))
+            cand_score.append(cscore)
+            best = _mean_logp(cscore, live).topk(k).indices                          # (k,) the next frontier
+            paths = [children[i] for i in best.tolist()]
+            tok, score = ctok.flatten(1)[:, best], cscore[:, best]
+            feat = out.hidden[:, -k:][:, best // k].clone()                          # (B, k, d) the parents'
+        scores = torch.cat(cand_score, 1)                                           # (B, C)
+        depth_of = torch.tensor([len(p) for p in cand_paths])
+        # shallower first among equals, so that a kept node's parent is kept too
+        keep = (_mean_logp(scores, live).double().clamp(min=-1e6) - 1e-6 * depth_of).topk(
+            min(self.shape.nodes, len(cand_paths)))
+        chosen = {cand_paths[i]: i for i in keep.indices.tolist()}
+        tree = tree_of(tuple(sorted(chosen, key=lambda p: (len(p), p))))
+        cols = torch.tensor([chosen[p] for p in tree.paths])
+        return tree, torch.cat(cand_tok, 1)[:, cols]
+
+    def _expand(self, run, tokens, feats, paths, k: int):
+        """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k."""
+        B, S = tokens.shape
+        index = {p: i for i, p in enumerate(paths)}
+        mask = torch.zeros(S, S, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            mask[i, [index[p[:j]] for j in range(1, len(p) + 1)]] = True
+        depth = torch.tensor([len(p) - 1 for p in paths])
+        pos = (self.cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)     # (B, S)
+        return self.timer(self.engine, self.cache, tokens, pos, mask.expand(B, -1, -1).contiguous(), k,
+                          features=feats)
+
+
+def _mean_logp(score: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """(B, C) cumulative log-probabilities -> (C,) the log of their mean probability over the live rows."""
+    score = score[live] if bool(live.any()) else score
+    return torch.logsumexp(score, 0) - math.log(score.shape[0])

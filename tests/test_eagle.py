@@ -1,0 +1,165 @@
+"""The EAGLE drafter: its graph, its cache invariant, and the target's promise with its dynamic trees."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from greedy_check import assert_same_or_tie
+from specrt import verification
+from specrt.drafters import chain_mask
+from specrt.eagle import DynamicTree, EagleDrafter
+from specrt.errors import InputError
+from specrt.export.eagle import load_eagle, new_eagle, save_eagle
+from specrt.export.model import from_hf
+from specrt.generate import Generator
+from specrt.sampling import SamplingParams
+from test_speculative import N, P_MIN, V, chi_square_p, exact_joint, sample_first3
+
+MAX_LEN = 48
+
+
+def export_with_eagle(tmp, model, drafter_weights="float32", seed=3):
+    """Save `model`, a fresh random EAGLE drafter for it, export and build both; return the engine directory."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    model.save_pretrained(tmp / "src")
+    save_eagle(new_eagle(from_hf(model, MAX_LEN), seed=seed), tmp / "eagle", dtype=torch.float32)
+    export_engines(str(tmp / "src"), tmp / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
+                   eagle=str(tmp / "eagle"))
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights=drafter_weights)
+    return tmp / "engines"
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    """A tiny peaked target (vocabulary V, for the exact joint distribution) with a random EAGLE drafter."""
+    tmp = tmp_path_factory.mktemp("eagle")
+    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    return Generator.from_engines(export_with_eagle(tmp, model)), model, tmp
+
+
+def shaped(gen, **shape):
+    gen.eagle.spec["dynamic_tree"] = shape
+    return gen
+
+
+def test_graph_matches_eager(eagle_pair):
+    """The ONNX Runtime engine against the eager model: a prefix written to the cache, then a tree over it;
+    and the training pass (SDPA, causal) against the graph's forward."""
+    gen, model, tmp = eagle_pair
+    eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
+    g = torch.Generator().manual_seed(0)
+    d = eager.args.hidden_size
+    feats, ids = torch.randn(1, 9, d, generator=g), torch.randint(0, V, (1, 9), generator=g)
+    with torch.no_grad():
+        whole = eager.train_forward(feats, ids)                                      # (1, 9, d)
+        cache = gen.eagle.new_cache(1, MAX_LEN)
+        out = gen.eagle.forward(ids[:, :6], torch.arange(6)[None], cache.past_len, chain_mask(1, 6), 6, cache,
+                                features=feats[:, :6])
+        assert torch.allclose(out.hidden, whole[:, :6], atol=1e-5)
+        assert torch.allclose(out.logits, eager.logits(whole[:, :6]), atol=1e-4)
+        cache.write(out.new_kv)
+        cache.past_len += 6
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None]  # node 2 skips node 1
+        out = gen.eagle.forward(ids[:, 6:], torch.tensor([[6, 7, 7]]), cache.past_len, mask, 3, cache,
+                                features=feats[:, 6:])
+        assert torch.allclose(out.hidden[:, :2], whole[:, 6:8], atol=1e-5)
+        branch = eager.train_forward(feats[:, [*range(7), 8]], ids[:, [*range(7), 8]])
+        assert torch.allclose(out.hidden[:, 2], branch[:, 7], atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [dict(top_k=4, depth=5, nodes=16), dict(top_k=2, depth=3, nodes=4),
+                                   dict(top_k=1, depth=4, nodes=4)], ids=str)
+def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
+    gen, model, _ = eagle_pair
+    shaped(gen, **shape)
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]  # runs into max_seq_len
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="eagle")
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+        assert out.stats["tree_size"] == shape["nodes"] and out.stats["tree_depth"] == shape["depth"]
+        accepted += out.stats["acceptance_rate"] * out.stats["rounds"]
+    assert accepted > 0 or shape["top_k"] == 1   # accepted paths (and their cache compaction) ran
+
+
+def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch):
+    """The cache invariant: slot t holds what the drafter computes from the target's feature at position t
+    and token t + 1 (checked against the eager drafter over the target's features of the final sequence)."""
+    gen, model, tmp = eagle_pair
+    shaped(gen, top_k=3, depth=3, nodes=8)
+    seen = []
+    start = EagleDrafter.start
+    monkeypatch.setattr(EagleDrafter, "start", lambda self, run: (seen.append(self), start(self, run))[1])
+    prompt = [3, 9, 1, 4, 1]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="eagle")
+    drafter, tokens = seen[0], torch.tensor([prompt + out.token_ids[0]])
+    P = int(drafter.cache.past_len[0])
+    assert out.stats["rounds"] >= 2 and P >= len(prompt) + out.stats["rounds"] - 1
+    eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
+    with torch.no_grad():
+        feats = model.model(tokens).last_hidden_state                               # (1, n, d) after the norm
+        empty = torch.zeros(1, eager.args.num_kv_heads, 1, eager.args.head_dim)
+        _, _, k, v = eager(tokens[:, 1:P + 1], torch.arange(P)[None], torch.zeros(1, dtype=torch.int64),
+                           chain_mask(1, P), torch.tensor([1]), feats[:, :P], empty, empty)
+    assert torch.allclose(drafter.cache.data[0, 0, :, :P], k[0], atol=1e-4)
+    assert torch.allclose(drafter.cache.data[1, 0, :, :P], v[0], atol=1e-4)
+
+
+def test_batch_rows_share_the_tree_shape(eagle_pair):
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=2, depth=3, nodes=6)
+    prompt = [2, 7, 7, 1]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=10).token_ids[0]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=10, method="eagle", num_return_sequences=3)
+    for row in out.token_ids:
+        assert_same_or_tie(row, ref, prompt, model)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7)], ids=str)
+def test_eagle_distribution_is_the_target_distribution(eagle_pair, kw):
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=3, depth=3, nodes=8)
+    prompt = [5, 1, 7]
+    out = sample_first3(gen, prompt, "eagle", None, seed=123, **kw)
+    assert 0 < out.stats["acceptance_rate"] < 0.9   # acceptances and residuals both happened
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"eagle {kw}: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+def test_broken_sibling_rule_is_caught(eagle_pair, monkeypatch):
+    """Power: a rejected sibling left in the residual must fail the same test."""
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=3, depth=3, nodes=8)
+    monkeypatch.setattr(verification, "without", lambda R, rows, x: R)
+    prompt = [5, 1, 7]
+    out = sample_first3(gen, prompt, "eagle", None, seed=99, temperature=1.0)
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"broken sibling rule (eagle): chi-square p = {p:.2e}")
+    assert p < P_MIN
+
+
+def test_int8_engine_keeps_greedy_output(tmp_path):
+    model = tiny_model("qwen2", seed=4)
+    gen = Generator.from_engines(export_with_eagle(tmp_path, model, drafter_weights="int8"))
+    assert gen.manifest["models"]["eagle"]["engine"]["weights"] == "int8"
+    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12).token_ids[0]
+    out = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12, method="eagle")
+    assert_same_or_tie(out.token_ids[0], ref, [1, 2, 3, 4], model)
+
+
+def test_bad_inputs(eagle_pair, tmp_path):
+    gen, model, tmp = eagle_pair
+    with pytest.raises(InputError, match="depth <= nodes"):
+        DynamicTree(top_k=2, depth=5, nodes=3)
+    with pytest.raises(InputError, match="eagle_config.json"):
+        load_eagle(tmp_path, from_hf(model, MAX_LEN))
+    other = tiny_model("llama", seed=1, vocab=V, hidden=64)
+    with pytest.raises(InputError, match="hidden_size 32 vs 64"):
+        load_eagle(tmp / "eagle", from_hf(other, MAX_LEN))
+    no_eagle = Generator(gen.directory, gen.manifest, gen.target, None, None)
+    with pytest.raises(InputError, match="export with --eagle"):
+        no_eagle.generate(prompt_ids=[1, 2], method="eagle")
