@@ -10,7 +10,7 @@ DRAFT  ?= smollm2-135m-draft
 MEDUSA ?= export/drafters/smollm2-135m-medusa
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines demo test bench clean help train-data train-draft train-medusa
+.PHONY: setup engines demo test bench clean help train-data train-draft train-medusa gpu-check
 .DELETE_ON_ERROR:
 
 help:
@@ -18,6 +18,7 @@ help:
 	@echo "make test    set up, build the default engines, run the tests"
 	@echo "make engines export + build the default engine set into $(ENGINES)"
 	@echo "make bench   benchmark methods on the MT-Bench dev prompts"
+	@echo "make gpu-check  on an NVIDIA GPU with the gpu extra installed: CUDA vs CPU, every method, pass times"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 
 $(STAMP): pyproject.toml
@@ -45,6 +46,11 @@ test: engines
 
 bench: engines
 	$(SPECRT) bench $(ENGINES) --methods autoregressive,draft,ngram,medusa,draft-tree --out bench-out
+
+# Needs an NVIDIA GPU and the gpu extra (onnxruntime-gpu in place of onnxruntime: pip install -e '.[gpu]'),
+# which is the user's to install; writes gpu-check.json (see README, "GPU check").
+gpu-check: | $(STAMP)
+	$(SPECRT) gpu-check --out gpu-check.json
 
 DISTILL := build/distill
 TRAIN   := $(PY) -m specrt.export.train

