@@ -1,11 +1,11 @@
 """Engine backends. Every buffer is a torch tensor on the engine's device, bound to the session by pointer."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specrt.errors import BackendError
@@ -160,18 +160,18 @@ class OrtEngine:
 class OrtHeads:
     """The Medusa heads graph (see specrt.export.medusa). Plain or root-token heads: `hidden` (B, d), and `token`
     (B,) -> `medusa_logits` (B, K, V). Sequential heads: `hidden` (M, d), `tokens` (M, K), `head` (M,) ->
-    `logits` (M, V), one row per candidate path."""
+    `logits` (M, V), one row per candidate path. Inputs and outputs are device tensors bound by pointer."""
 
     def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
         import onnxruntime as ort
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or default_threads()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
         self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
+        options = session_options(ort, spec, threads)
+        self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
+        self.binding = self.session.io_binding()
         self.root_token = bool(spec.get("root_token"))
         self.sequential = bool(spec.get("sequential"))
+        self.vocab_size = spec.get("vocab_size") or self.session.get_outputs()[0].shape[-1]
+        self._out = torch.empty(0, device=self.device)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Every head at once -> (B, K, V). `tokens` (B, K): the token that follows `hidden`'s position (the root),
@@ -182,25 +182,75 @@ class OrtHeads:
             heads = torch.arange(K, device=tokens.device).repeat(B)
             rows = self.logits(hidden.repeat_interleave(K, 0), tokens.repeat_interleave(K, 0), heads)
             return rows.view(B, K, -1)
-        feeds = {"hidden": hidden.detach().cpu().contiguous().numpy()}
+        feeds = {"hidden": hidden}
         if self.root_token:
-            feeds["token"] = tokens[:, 0].detach().cpu().contiguous().numpy()
-        return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
+            feeds["token"] = tokens[:, 0]
+        return self._run(feeds, "medusa_logits", (hidden.shape[0], self.num_heads, self.vocab_size))
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """Sequential heads: row m runs head[m] on hidden[m] and its path tokens[m] (M, K) -> (M, V)."""
-        feeds = {"hidden": hidden, "tokens": tokens, "head": head}
-        feeds = {k: v.detach().cpu().contiguous().numpy() for k, v in feeds.items()}
-        return torch.from_numpy(self.session.run(None, feeds)[0]).to(self.device)
+        return self._run({"hidden": hidden, "tokens": tokens, "head": head}, "logits",
+                         (hidden.shape[0], self.vocab_size))
+
+    def _run(self, feeds: dict, output: str, shape: tuple) -> torch.Tensor:
+        feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
+        for name, t in feeds.items():
+            bind_tensor(self.binding, "input", name, t, self.device)
+        numel = math.prod(shape)
+        if self._out.numel() < numel:
+            self._out = torch.empty(numel, device=self.device)
+        out = self._out[:numel].view(shape)
+        bind_tensor(self.binding, "output", output, out, self.device)
+        self.session.run_with_iobinding(self.binding)
+        return out.clone()   # the buffer is reused by the next run
+
+
+def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    """Bind `t` by pointer. A tensor on another device than the engine's is refused: its address means
+    nothing to the session (a host pointer bound as a CUDA one reads garbage or faults)."""
+    if t.device.type != device.type or (device.type == "cuda" and t.device.index not in (None, device.index or 0)):
+        raise BackendError(f"{kind} {name!r} is on {t.device}, the engine runs on {device}: create it on the "
+                           f"engine's device (engine.device)")
+    if t.dtype not in ONNX_TYPES:
+        raise BackendError(f"{kind} {name!r} has dtype {t.dtype}; engines take {', '.join(map(str, ONNX_TYPES))}")
+    bind = binding.bind_input if kind == "input" else binding.bind_output
+    bind(name, device.type, device.index or 0, ONNX_TYPES[t.dtype], list(t.shape), t.data_ptr())
+
+
+def engine_class(entry: dict):
+    """The backend class for a model's manifest engine entry."""
+    if entry.get("backend") == "tensorrt":
+        return TensorRTEngine
+    if entry.get("widths"):
+        from specrt.static_engine import StaticWidthEngine
+        return StaticWidthEngine
+    return OrtEngine
 
 
 def pick_device(requested: str = "auto") -> str:
-    if requested != "auto":
+    """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" where they cannot is an
+    error that says what is missing and the fix."""
+    if requested == "auto":
+        return "cuda" if cuda_missing() is None else "cpu"
+    if requested.split(":")[0] == "cuda":
+        missing = cuda_missing()
+        if missing:
+            raise BackendError(f"--device {requested}: {missing}. Install the GPU extra (pip install "
+                               "'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu")
         return requested
+    if requested != "cpu":
+        raise BackendError(f"--device {requested!r}: expected auto, cpu or cuda")
+    return requested
+
+
+def cuda_missing() -> str | None:
+    """What keeps engines off the GPU here, or None."""
+    if not torch.cuda.is_available():
+        return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)"
     try:
         import onnxruntime as ort
-        if "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available():
-            return "cuda"
     except ImportError:
-        pass
-    return "cpu"
+        return "onnxruntime is not installed"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not 'onnxruntime-gpu')"
+    return None

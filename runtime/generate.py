@@ -10,7 +10,7 @@ import torch
 
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
-from specrt.backends import OrtEngine, OrtHeads, TensorRTEngine, pick_device
+from specrt.backends import OrtHeads, engine_class, pick_device
 from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
@@ -92,7 +92,7 @@ class Generator:
             if role == "medusa":
                 engines[role] = OrtHeads(path, spec, device=device, threads=role_threads)
                 continue
-            backend = TensorRTEngine if spec["engine"]["backend"] == "tensorrt" else OrtEngine
+            backend = engine_class(spec["engine"])
             engines[role] = backend(path, spec, device=device, threads=role_threads)
         tokenizer = None
         if manifest.get("tokenizer"):

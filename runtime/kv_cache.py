@@ -9,8 +9,9 @@ class KVCache:
     `past_len[b]` valid positions; everything at or beyond it is scratch. Nothing here allocates after
     construction."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, device="cpu"):
-        self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, device=device)
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, device="cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, device=device, dtype=dtype)
         self.past_len = torch.zeros(batch, dtype=torch.int64, device=device)
         self.length = length
 

@@ -1,0 +1,241 @@
+"""Engines built with `--device cuda`: the static TreeAttention body, the static width graphs, and their padding
+and bucket logic, run for real on the CPU provider (graph capture itself needs a GPU: not checked here)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from conftest import export_tiny, tiny_model
+from greedy_check import assert_same_or_tie
+from specrt.backends import OrtEngine, bind_tensor, cuda_missing, pick_device
+from specrt.drafters import chain_mask
+from specrt.errors import BackendError
+from specrt.export.build import build
+from specrt.export.medusa import MedusaHeads, save_heads
+from specrt.generate import METHODS, Generator
+from specrt.manifest import read_manifest, sha256_file
+from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
+from specrt.static_engine import StaticWidthEngine
+from test_tree_attention import random_tree
+
+V = 48
+SHAPE_NODES = {"Shape", "Range", "ConstantOfShape", "Size", "NonZero"}
+
+
+def static_op(scale: float, B, H, Hkv, S, Smax, D) -> bytes:
+    """One TreeAttention node with every shape fixed and the static body."""
+    f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+    shapes = [(B, H, S, D), (B, Hkv, Smax, D), (B, Hkv, Smax, D), (B, Hkv, S, D), (B, Hkv, S, D), (B,), (B, S, S)]
+    ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(INPUTS, [f] * 5 + [i64, b], shapes)]
+    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
+    graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, (B, H, S, D))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return attach_function(model, static=True).SerializeToString()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_static_body_matches_float64_reference(seed):
+    rng = np.random.default_rng(seed)
+    B, Hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
+    H, D, S, Smax = Hkv * int(rng.choice([1, 2, 4])), int(rng.choice([4, 8, 16])), int(rng.integers(1, 9)), 24
+    past = rng.integers(0, Smax - S + 1, size=B)
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
+                  k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
+                  tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
+    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D), providers=["CPUExecutionProvider"])
+    got = session.run(None, inputs)[0]
+    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5), atol=2e-5, rtol=1e-5)
+    inputs["k_cache"][:, :, past.max():] = 1e4   # whatever the slots past past_len hold (finite) is ignored
+    np.testing.assert_allclose(session.run(None, inputs)[0], got, atol=1e-6)
+
+
+# ---- engine sets ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_sets(tmp_path_factory):
+    """One tiny export (target, draft, Medusa heads) built twice: CPU engines, and CUDA float32 engines."""
+    tmp = tmp_path_factory.mktemp("cuda")
+    target = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    torch.manual_seed(5)
+    heads = MedusaHeads(3, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight,
+                        sequential=True)
+    save_heads(heads, tmp / "heads")
+    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
+    cpu, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=96,
+                             medusa=tmp / "heads")
+    cuda = tmp / "cuda-float32"
+    shutil.copytree(cpu, cuda)
+    build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 2, 4, 8))
+    return cpu, cuda, model
+
+
+def test_manifest_records_widths_and_hashes(engine_sets):
+    _, cuda, _ = engine_sets
+    entry = read_manifest(cuda)["models"]["target"]["engine"]
+    assert (entry["device"], entry["dtype"], sorted(entry["widths"], key=int)) == ("cuda", "float32", ["1", "2", "4", "8"])
+    for f in [entry, entry["weights_file"], *entry["widths"].values()]:
+        assert sha256_file(cuda / f["file"]) == f["sha256"]
+    referenced = 0   # bytes the graphs read from the shared file, counted once per graph
+    for f in [entry, *entry["widths"].values()]:
+        graph = onnx.load(str(cuda / f["file"]), load_external_data=False).graph
+        external = [{e.key: e.value for e in t.external_data} for t in graph.initializer
+                    if t.data_location == TensorProto.EXTERNAL]
+        assert external and {e["location"] for e in external} == {entry["weights_file"]["file"]}
+        referenced += sum(int(e["length"]) for e in external)
+    size = (cuda / entry["weights_file"]["file"]).stat().st_size
+    assert size * 4 < referenced, f"{size} bytes of weights for {referenced} referenced: each tensor stored once"
+
+
+def test_width_graphs_have_no_shape_arithmetic_once_optimised(engine_sets, tmp_path):
+    """The CPU-checkable proxy for `every node on the GPU`: nothing left that computes on shapes."""
+    _, cuda, _ = engine_sets
+    for w, f in read_manifest(cuda)["models"]["target"]["engine"]["widths"].items():
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(cuda / f".check-w{w}.onnx")   # beside its external weights
+        try:
+            ort.InferenceSession(str(cuda / f["file"]), options, providers=["CPUExecutionProvider"])
+            graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+        finally:
+            (cuda / f".check-w{w}.onnx").unlink(missing_ok=True)
+        constants = {t.name for t in graph.initializer}
+        assert not [n.op_type for n in graph.node if n.op_type in SHAPE_NODES], f"width {w}"
+        dynamic_slices = [n.name for n in graph.node if n.op_type == "Slice" and not set(n.input[1:]) <= constants]
+        assert not dynamic_slices, f"width {w}: slices with computed bounds {dynamic_slices}"
+
+
+def engines(cpu, cuda):
+    spec_cpu, spec_cuda = (read_manifest(d)["models"]["target"] for d in (cpu, cuda))
+    return (OrtEngine(cpu / spec_cpu["engine"]["file"], spec_cpu),
+            StaticWidthEngine(cuda / spec_cuda["engine"]["file"], spec_cuda))
+
+
+@pytest.mark.parametrize("k,tree", [(1, False), (3, False), (8, False), (6, True)])
+def test_width_engine_matches_plain_engine(engine_sets, k, tree):
+    cpu, cuda, _ = engine_sets
+    plain, static = engines(cpu, cuda)
+    prompt = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(k))
+    mask = torch.tensor(random_tree(np.random.default_rng(k), k))[None] if tree else chain_mask(1, k)
+    ids = torch.randint(0, V, (1, k), generator=torch.Generator().manual_seed(100 + k))
+    outs = []
+    for engine in (plain, static):
+        cache = engine.new_cache(1, 96)
+        pre = engine.forward(prompt, torch.arange(11)[None], cache.past_len, chain_mask(1, 11), 1, cache)
+        cache.write(pre.new_kv)
+        cache.past_len += 11
+        pos = 11 + mask[0].sum(1)[None] - 1                                    # depth of each node
+        out = engine.forward(ids, pos, cache.past_len, mask, k, cache)
+        outs.append((out.logits.clone(), out.hidden.clone(), out.new_kv.clone()))
+    assert static.max_width == 8 and outs[1][0].shape == (1, k, V)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_width_engine_runs_the_smallest_width(engine_sets, monkeypatch):
+    _, cuda, _ = engine_sets
+    static = engines(engine_sets[0], cuda)[1]
+    ran = []
+    for w, session in static.sessions.items():
+        monkeypatch.setattr(session, "run_with_iobinding", lambda b, w=w, run=session.run_with_iobinding: (ran.append(w), run(b)))
+    cache = static.new_cache(1)
+    for k in (1, 2, 3, 5, 8):
+        static.forward(torch.zeros(1, k, dtype=torch.int64), torch.arange(k)[None], cache.past_len, chain_mask(1, k), 1)
+    assert ran == [1, 2, 4, 8, 8]
+    assert static.new_cache(1) is cache and static.new_cache(2) is not cache   # one static one-row cache
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "eagle"])   # eagle: its own engine set and tests
+def test_greedy_identical_on_width_engines(engine_sets, method):
+    cpu, cuda, model = engine_sets
+    a, b = Generator.from_engines(cpu, device="cpu"), Generator.from_engines(cuda, device="cpu")
+    assert isinstance(b.target, StaticWidthEngine)
+    for seed in range(3):
+        prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        kw = dict(max_new_tokens=24, method=method, gamma=None if method == "autoregressive" else 4)
+        ref = a.generate(prompt_ids=prompt, **kw).token_ids[0]
+        ours = b.generate(prompt_ids=prompt, **kw).token_ids[0]
+        assert_same_or_tie(ours, ref, prompt, model)
+
+
+def test_draft_tree_identical_on_width_engines(engine_sets):
+    cpu, cuda, model = engine_sets
+    a, b = Generator.from_engines(cpu, device="cpu"), Generator.from_engines(cuda, device="cpu")
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    ref = a.generate(prompt_ids=prompt, max_new_tokens=24, method="draft", tree=True).token_ids[0]
+    assert_same_or_tie(b.generate(prompt_ids=prompt, max_new_tokens=24, method="draft", tree=True).token_ids[0],
+                       ref, prompt, model)
+
+
+def test_float16_engines_run_on_the_cpu_provider(engine_sets, tmp_path):
+    """float16 graphs load on the CPU provider (ONNX Runtime casts around the ops it lacks in float16); the
+    caches are float16, logits float32 and close to the float32 engine's."""
+    cpu, _, _ = engine_sets
+    half = tmp_path / "half"
+    shutil.copytree(cpu, half)
+    build(half, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float16", widths=(1, 4))
+    spec = read_manifest(half)["models"]["target"]
+    static = StaticWidthEngine(half / spec["engine"]["file"], spec)
+    plain = engines(cpu, engine_sets[1])[0]
+    ids = torch.tensor([[5, 7, 11]])
+    got, want = static.run_sequence(ids[0].tolist(), 3), plain.run_sequence(ids[0].tolist(), 3)
+    assert static.cache.data.dtype == torch.float16 and got.logits.dtype == torch.float32
+    assert (got.logits - want.logits).abs().max() < 0.05 * want.logits.abs().max()
+
+
+def test_bfloat16_build_writes_bfloat16_graphs(engine_sets, tmp_path):
+    """bfloat16 has no CPU kernels in ONNX Runtime: only the graphs are checked here."""
+    cpu, _, _ = engine_sets
+    bf = tmp_path / "bf16"
+    shutil.copytree(cpu, bf)
+    build(bf, "onnxruntime", log=lambda *_: None, device="cuda", dtype="bfloat16", widths=(2,))
+    g = onnx.load(str(bf / "target.w2.cuda.onnx"), load_external_data=False).graph
+    assert {t.data_type for t in g.initializer if t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16)} \
+        == {TensorProto.BFLOAT16}
+    assert {o.name: o.type.tensor_type.elem_type for o in g.output}["logits"] == TensorProto.FLOAT
+    assert {i.name: i.type.tensor_type.elem_type for i in g.input}["k_cache_0"] == TensorProto.BFLOAT16
+
+
+def test_bad_build_options_are_clear(engine_sets):
+    cpu, _, _ = engine_sets
+    with pytest.raises(BackendError, match="--dtype float16 is for CUDA engines"):
+        build(cpu, "onnxruntime", log=lambda *_: None, dtype="float16")
+    with pytest.raises(BackendError, match="--device 'tpu'"):
+        build(cpu, "onnxruntime", log=lambda *_: None, device="tpu")
+
+
+def test_failed_build_keeps_previous_engines(engine_sets, tmp_path, monkeypatch):
+    cpu, cuda, _ = engine_sets
+    again = tmp_path / "again"
+    shutil.copytree(cuda, again)
+    before = {p.name: sha256_file(p) for p in again.iterdir()}
+    import specrt.export.cuda_build as cb
+    monkeypatch.setattr(cb, "static_graph", lambda *a: (_ for _ in ()).throw(RuntimeError("interrupted")))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        build(again, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 2))
+    assert {p.name: sha256_file(p) for p in again.iterdir()} == before
+
+
+# ---- device discipline ------------------------------------------------------------------------------------
+def test_binding_a_tensor_on_another_device_is_refused(engine_sets):
+    cpu, _, _ = engine_sets
+    plain = engines(cpu, engine_sets[1])[0]
+    with pytest.raises(BackendError, match=r"input 'past_len' is on meta, the engine runs on cpu"):
+        bind_tensor(plain.binding, "input", "past_len", torch.zeros(1, dtype=torch.int64, device="meta"),
+                    plain.device)
+    cache = plain.new_cache(1)
+    with pytest.raises(BackendError, match="input_ids"):
+        plain.forward(torch.zeros(1, 1, dtype=torch.int64, device="meta"), torch.zeros(1, 1, dtype=torch.int64),
+                      cache.past_len, chain_mask(1, 1), 1, cache)
+
+
+@pytest.mark.skipif(cuda_missing() is None, reason="this machine can run CUDA engines")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(BackendError, match=r"--device cuda: .*pip install 'specrt\[gpu\]'.*--device cpu"):
+        pick_device("cuda")
+    assert pick_device("auto") == "cpu"
