@@ -274,8 +274,8 @@ def environment(device: str) -> dict:
 
 # ---- the whole check --------------------------------------------------------------------------------------
 def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
-    """Run every step (see the module docstring) and write the report to `out`; returns it."""
-    from specrt.generate import Generator
+    """Run every step (see the module docstring) and write the report to `out`; returns it. An exception is
+    recorded in the report (with the steps done before it) and raised again."""
     check_device(cfg.device)
     out = Path(out)
     progress = Progress(log, cfg.budget_s)
@@ -285,43 +285,53 @@ def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
     with contextlib.ExitStack() as stack:
         work = cfg.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specrt-gpu-check-")))
         work.mkdir(parents=True, exist_ok=True)
-        with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
-            src = sources(cfg, work)
-            report["weights"] = src["weights"]
-        with progress.step("export (CPU)"):
-            exported = export_once(cfg, src, work, lambda m: log(f"    {m}"))
-        with progress.step("build CPU engines"):
-            cpu = Generator.from_engines(build_copy(exported, work / "reference-cpu", "cpu", "float32", _quiet), device="cpu")
-        sets = {}
-        with progress.step(f"build {cfg.device} float32 engines"):
-            sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
-            dev = Generator.from_engines(sets["float32"], device=cfg.device)
-        prompts = prompt_ids(cpu, cfg.prompts)
-        with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
-            report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)
-        _write(out, report)
-        with progress.step(f"methods on {cfg.device}"):
-            report["methods"] = check_methods(dev, prompts, cfg.max_new_tokens)
-        report["passed"] = all(r["ok"] for r in report["greedy"]) and all(
-            m["ok"] for m in report["methods"].values())
-        _write(out, report)
-        report["pass_times"] = {}
-        for dtype in cfg.dtypes:
-            if progress.over_budget():
-                report["skipped"].append(f"{dtype} pass times: past the {cfg.budget_s:.0f} s budget")
-                continue
-            with progress.step(f"{dtype} pass times, k = {', '.join(map(str, KS))}"):
-                if dtype not in sets:
-                    sets[dtype] = build_copy(exported, work / f"{cfg.device}-{dtype}", cfg.device, dtype, _quiet)
-                gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
-                report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
+        try:
+            _steps(cfg, report, progress, work, out)
+        except Exception as e:
+            report["error"] = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            report["total_s"] = round(progress.elapsed(), 1)
             _write(out, report)
-        if cfg.device == "cuda":
-            report["speed"] = speed_summary(report["pass_times"])
-    report["total_s"] = round(progress.elapsed(), 1)
-    _write(out, report)
     log(f"[{report['total_s']:5.0f}s] {'PASS' if report['passed'] else 'FAIL'}: {out}")
     return report
+
+
+def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: Path) -> None:
+    from specrt.generate import Generator
+    with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
+        src = sources(cfg, work)
+        report["weights"] = src["weights"]
+    with progress.step("export (CPU)"):
+        exported = export_once(cfg, src, work, lambda m: progress.log(f"    {m}"))
+    with progress.step("build CPU engines"):
+        cpu = Generator.from_engines(build_copy(exported, work / "reference-cpu", "cpu", "float32", _quiet),
+                                     device="cpu")
+    sets = {}
+    with progress.step(f"build {cfg.device} float32 engines"):
+        sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
+        dev = Generator.from_engines(sets["float32"], device=cfg.device)
+    prompts = prompt_ids(cpu, cfg.prompts)
+    with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
+        report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)
+    _write(out, report)
+    with progress.step(f"methods on {cfg.device}"):
+        report["methods"] = check_methods(dev, prompts, cfg.max_new_tokens)
+    report["passed"] = all(r["ok"] for r in report["greedy"]) and all(m["ok"] for m in report["methods"].values())
+    _write(out, report)
+    report["pass_times"] = {}
+    for dtype in cfg.dtypes:
+        if progress.over_budget():
+            report["skipped"].append(f"{dtype} pass times: past the {cfg.budget_s:.0f} s budget")
+            continue
+        with progress.step(f"{dtype} pass times, k = {', '.join(map(str, KS))}"):
+            if dtype not in sets:
+                sets[dtype] = build_copy(exported, work / f"{cfg.device}-{dtype}", cfg.device, dtype, _quiet)
+            gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
+            report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
+        _write(out, report)
+    if cfg.device == "cuda":
+        report["speed"] = speed_summary(report["pass_times"])
 
 
 def _quiet(_msg: str) -> None:
