@@ -58,11 +58,17 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
               help="Weights of the draft model's and Medusa heads' ONNX Runtime engines. int8 reads a quarter of "
                    "the bytes per draft step; outputs do not change, since the float32 target verifies every "
                    "token.")
-def build(engines, backend, drafter_weights):
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: ONNX Runtime engines for the CUDA provider, with a static-shape target graph per "
+                   "verification width (CUDA graphs). Builds on any machine; runs where onnxruntime-gpu is.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Weights and compute of CUDA engines (default float16; float32 on the CPU, the only choice "
+                   "there). Logits stay float32.")
+def build(engines, backend, drafter_weights, device, dtype):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
-        do_build(engines, backend, log=_log, drafter_weights=drafter_weights)
+        do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype)
     except SpecrtError as e:
         _fail(e)
 
