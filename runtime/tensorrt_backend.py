@@ -58,9 +58,9 @@ class TensorRTEngine:
         trt = self.trt
         inputs = {n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
         expected = {*FEEDS, "num_logits", *(_kv_name("cache", i) for i in range(2 * self.layers))}
-        if inputs != expected:
-            raise BackendError(f"the TensorRT engine's inputs {sorted(inputs)} are not the engine contract's "
-                               f"{sorted(expected)}: re-export and rebuild the engine set")
+        if not expected <= inputs:
+            raise BackendError(f"the TensorRT engine lacks the engine contract's inputs {sorted(expected - inputs)}: "
+                               "re-export and rebuild the engine set")
         if self.engine.get_tensor_location("num_logits") != trt.TensorLocation.HOST:
             raise BackendError("num_logits is not a shape tensor in this TensorRT engine: rebuild it with "
                                "`specrt build DIR --backend tensorrt`")
@@ -91,21 +91,26 @@ class TensorRTEngine:
 
     # ---- one pass ---------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
-                tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None):
+                tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None, **extra: torch.Tensor):
         """Run one pass over S new tokens per row against `cache` (default: the last one created or used).
-        The cache is read, not written: see KVCache.write. Returns views of the static output buffers."""
+        The cache is read, not written: see KVCache.write. `extra`: further graph inputs by name (an EAGLE
+        drafter's `features`). Returns views of the static output buffers."""
         if cache is not None and cache is not self._cache:
             self.use_cache(cache)
         assert self._cache is not None, "call new_cache() first"
         B, S = input_ids.shape
         if not 1 <= num_logits <= S:
             raise BackendError(f"num_logits {num_logits}: a pass over S = {S} tokens returns the logits of 1..{S}")
-        feeds = dict(zip(FEEDS, (input_ids, position_ids, past_len, tree_mask)))
+        unknown = sorted(set(extra) - set(self.dtypes))
+        if unknown:
+            raise BackendError(f"inputs {unknown} are not inputs of this TensorRT engine (it has "
+                               f"{', '.join(sorted(self.dtypes))})")
+        feeds = {**dict(zip(FEEDS, (input_ids, position_ids, past_len, tree_mask))), **extra}
         for name, t in feeds.items():
             self._static(name, t.shape).copy_(t, non_blocking=True)
         self._num_logits[0] = num_logits
         if self._outputs_for != (B, S, num_logits):
-            self._bind(B, S, num_logits)
+            self._bind(B, S, num_logits, {name: t.shape for name, t in feeds.items()})
         if not self.context.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
             raise BackendError("TensorRT failed to run the pass (see its log above)")
         return self._outputs
@@ -126,13 +131,12 @@ class TensorRTEngine:
             self.context.set_input_shape(name, tuple(t.shape))
         self.context.set_tensor_address(name, t.data_ptr())
 
-    def _bind(self, B: int, S: int, num_logits: int) -> None:
+    def _bind(self, B: int, S: int, num_logits: int, feeds: dict[str, torch.Size]) -> None:
         """Shapes and addresses for this (B, S, num_logits); they stay set while it repeats."""
         from specrt.backends import StepOutput
         s = self.spec
-        for name in FEEDS:
-            shape = (B, S, S) if name == "tree_mask" else (B,) if name == "past_len" else (B, S)
-            self._set(name, self._static(name, torch.Size(shape)))
+        for name, shape in feeds.items():
+            self._set(name, self._static(name, shape))
         self.context.set_tensor_address("num_logits", self._num_logits.data_ptr())
         logits = self._static("logits", torch.Size((B, num_logits, s["vocab_size"])))
         hidden = self._static("hidden", torch.Size((B, S, s["hidden_size"])))
