@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed
 ENGINES ?= engines/default
 DRAFT  ?= smollm2-135m-draft
 MEDUSA ?= export/drafters/smollm2-135m-medusa
+EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines demo test bench clean help train-data train-draft train-medusa gpu-check
+.PHONY: setup engines demo test bench clean help train-data train-draft train-medusa train-eagle gpu-check
 .DELETE_ON_ERROR:
 
 help:
@@ -20,6 +21,7 @@ help:
 	@echo "make bench   benchmark methods on the MT-Bench dev prompts"
 	@echo "make gpu-check  on an NVIDIA GPU with the gpu extra installed: CUDA vs CPU, every method, pass times"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
+	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +78,12 @@ train-medusa: train-data
 	    --epochs 1 --max-positions 400000 --batch 256 --lr 1e-3
 	# the heads propose from the draft's kept output ids (the most frequent in the same data)
 	cp export/drafters/$(DRAFT)/specrt_vocab.json $(MEDUSA)/
+
+# EAGLE: features of the target at every position of the same data (cached in build/eagle-train), then one
+# decoder layer learns the next feature and the target's next-token distribution; it keeps the draft's output ids.
+train-eagle: train-data
+	$(TRAIN).train_eagle --data $(DISTILL)/data.jsonl --work build/eagle-train --out $(EAGLE) \
+	    --vocab export/drafters/$(DRAFT) --max-minutes 120 --feature-minutes 120
 
 clean:
 	rm -rf $(VENV) engines/default
