@@ -203,7 +203,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
 
 @main.command("tune-tree")
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["medusa", "draft"]), default="medusa", show_default=True)
+@click.option("--method", type=click.Choice(["medusa", "draft", "eagle"]), default="medusa", show_default=True)
 @click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
 @click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
 def tune_tree(engines, method, max_nodes, width):
@@ -213,10 +213,16 @@ def tune_tree(engines, method, max_nodes, width):
     from specrt.generate import Generator
     try:
         gen = Generator.from_engines(engines)
-        if method == "medusa" and gen.medusa is None or method == "draft" and gen.draft is None:
+        if getattr(gen, method) is None:
             raise SpecrtError(f"{engines} has no {method} model to calibrate; export it first")
         prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else
                    [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(6)])
+        if method == "eagle":   # a dynamic tree: its shape (top-k, depth, nodes), recorded in the manifest
+            from specrt.eagle import save_shape, tune
+            shape = tune(gen, prompts, log=_log)
+            save_shape(gen.directory, shape)
+            click.echo(f"saved the EAGLE tree shape {shape} in {gen.directory}")
+            return
         tree = calibrate(gen, method, prompts, max_nodes, width, log=_log)
         click.echo(f"saved {save_tree(gen.directory, method, tree)}")
     except SpecrtError as e:

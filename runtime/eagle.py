@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -149,3 +149,51 @@ def _mean_logp(score: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """(B, C) cumulative log-probabilities -> (C,) the log of their mean probability over the live rows."""
     score = score[live] if bool(live.any()) else score
     return torch.logsumexp(score, 0) - math.log(score.shape[0])
+
+
+# ---- per machine: the tree shape -------------------------------------------------------------------------
+SHAPES = tuple(DynamicTree(k, d, n) for k, d, n in ((2, 3, 4), (2, 4, 6), (3, 4, 8), (4, 4, 12), (4, 5, 16),
+                                                      (4, 6, 24), (6, 6, 32), (8, 6, 48)))
+
+
+def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log=print) -> DynamicTree:
+    """The shape with the most tokens per second by the cost model: tokens per round at T = 0 on `prompts`
+    (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
+    through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
+    loop's own time per round."""
+    import numpy as np
+
+    from specrt.adaptive import measure
+    from specrt.calibrate import verify_costs
+    measured = verify_costs(gen, sorted({1, 2, 8} | {s.nodes + 1 for s in shapes}))
+    slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
+    draft = gen.eagle
+    context = max(0, min(64, draft.spec["max_seq_len"] - 8))
+    cache = draft.new_cache(1, context + 8)
+    cache.truncate(context)
+    ids, feats = torch.zeros(1, 8, dtype=torch.int64), torch.zeros(1, 8, draft.spec["hidden_size"])
+    pos, mask = torch.arange(context, context + 8)[None], chain_mask(1, 8)
+    draft_pass = measure(lambda: draft.forward(ids, pos, cache.past_len, mask, 4, cache, features=feats), reps=5)
+    saved, best = draft.spec.get("dynamic_tree"), (0.0, None)
+    try:
+        for shape in shapes:
+            draft.spec["dynamic_tree"] = asdict(shape)
+            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle").stats for p in prompts]
+            rounds = sum(s["rounds"] for s in outs)
+            per_round = sum(s["tokens"] - 1 for s in outs) / max(1, rounds)
+            loop = sum(s["loop_time_s"] for s in outs) / max(1, rounds)
+            cost = intercept + max(slope, 0.0) * (shape.nodes + 1) + shape.depth * draft_pass + loop
+            log(f"top_k {shape.top_k} depth {shape.depth} nodes {shape.nodes}: {per_round:.2f} tokens/round, "
+                f"{1e3 * cost:.1f} ms/round -> {per_round / cost:.1f} tokens/s")
+            best = max(best, (per_round / cost, shape), key=lambda b: b[0])
+    finally:
+        draft.spec["dynamic_tree"] = saved
+    return best[1]
+
+
+def save_shape(directory, shape: DynamicTree) -> None:
+    """Record the shape in the engine set's manifest: generate uses it for --method eagle."""
+    from specrt.manifest import read_manifest, write_manifest
+    manifest = read_manifest(directory)
+    manifest["models"]["eagle"]["dynamic_tree"] = asdict(shape)
+    write_manifest(directory, manifest)

@@ -163,3 +163,16 @@ def test_bad_inputs(eagle_pair, tmp_path):
     no_eagle = Generator(gen.directory, gen.manifest, gen.target, None, None)
     with pytest.raises(InputError, match="export with --eagle"):
         no_eagle.generate(prompt_ids=[1, 2], method="eagle")
+
+
+def test_tune_records_a_shape(eagle_pair):
+    from specrt.eagle import save_shape, tune
+    gen, _, _ = eagle_pair
+    shapes = (DynamicTree(2, 3, 4), DynamicTree(3, 3, 8))
+    lines = []
+    shape = tune(gen, [[1, 2, 3], [4, 5, 6, 7]], shapes, new_tokens=8, log=lines.append)
+    assert shape in shapes and len(lines) == 2 and "tokens/round" in lines[0]
+    save_shape(gen.directory, shape)
+    again = Generator.from_engines(gen.directory)
+    assert again.eagle.spec["dynamic_tree"] == shape.__dict__
+    assert again.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, method="eagle").stats["tree_size"] == shape.nodes
