@@ -56,10 +56,11 @@ class DraftModelDrafter:
 
     def start(self, run) -> None:
         """Prefill the prompt minus its last token once, then copy it to every row."""
-        m = run.prompt_len - 1
+        m, dev = run.prompt_len - 1, run.device
         one = self.engine.new_cache(1, run.cache_len)
         if m > 0:
-            out = self.timer(self.engine, one, run.tokens[:1, :m], torch.arange(m)[None], chain_mask(1, m), 1)
+            out = self.timer(self.engine, one, run.tokens[:1, :m], torch.arange(m, device=dev)[None],
+                             chain_mask(1, m, dev), 1)
             one.write(out.new_kv)
             one.past_len += m
         self.cache = one
@@ -69,15 +70,15 @@ class DraftModelDrafter:
             self.cache.broadcast_row(one)
 
     def propose(self, run, gamma: int) -> Proposal:
-        B, smax = run.batch, run.max_len
+        B, smax, dev = run.batch, run.max_len, run.device
         w = 2 + run.rounds - self.next_round
         self.next_round = run.rounds + 1
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
-        feed = start[:, None] + torch.arange(w)
+        feed = start[:, None] + torch.arange(w, device=dev)
         ids = run.tokens.gather(1, feed)                                                # (B, w)
         pos = feed.clamp(max=smax - 1)
-        mask = chain_mask(B, w)
+        mask = chain_mask(B, w, dev)
         tokens, qs, tops = [], [], []
         for i in range(gamma):
             out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
@@ -95,13 +96,13 @@ class DraftModelDrafter:
                 qs.append(q)
             tokens.append(tok)
             ids, pos = tok[:, None], (pos[:, -1:] + 1).clamp(max=smax - 1)
-            mask = chain_mask(B, 1)
+            mask = chain_mask(B, 1, dev)
         if self.tree is not None:
             nodes = self.tree.node_tokens(torch.stack(tops, 1))                        # (B, N)
             return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)
-        toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64)
+        toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64, device=dev)
         q = torch.stack(qs, 1) if qs else None
-        return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool))
+        return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool, device=dev))
 
 
 class NgramDrafter:
@@ -126,17 +127,17 @@ class NgramDrafter:
         return context[:0]
 
     def propose(self, run, gamma: int) -> Proposal:
+        """Looks up the host mirror of the tokens (no device read); one copy of the proposal to the device."""
         B = run.batch
-        tokens = torch.zeros(B, gamma, dtype=torch.int64)
-        valid = torch.zeros(B, gamma, dtype=torch.bool)
-        rows = run.tokens.numpy()
-        for b in range(B):
-            if run.active[b]:
-                found = self.lookup(rows[b, :int(run.lengths[b])], gamma)
-                tokens[b, :len(found)] = torch.from_numpy(found.copy())
-                valid[b, :len(found)] = True
-        width = int(valid.sum(1).max()) if B else 0
-        return Proposal(tokens[:, :width], None, valid[:, :width])
+        tokens = np.zeros((B, gamma), np.int64)
+        found = np.zeros(B, np.int64)
+        for b in np.flatnonzero(run.active):
+            hit = self.lookup(run.host_tokens[b, :run.host_lengths[b]], gamma)
+            tokens[b, :len(hit)], found[b] = hit, len(hit)
+        width = int(found.max(initial=0))
+        valid = np.arange(width) < found[:, None]                                       # (B, width)
+        return Proposal(torch.from_numpy(tokens[:, :width].copy()).to(run.device),
+                        None, torch.from_numpy(valid).to(run.device))
 
 
 class MedusaDrafter:
@@ -164,19 +165,21 @@ class MedusaDrafter:
             logits = self.heads.forward(run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
             nodes = tree.node_tokens(top_k_ids(logits, k))                                # (B, N)
             return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree)
-        B = run.batch
-        nodes = torch.zeros(B, tree.size, dtype=torch.int64)
+        B, dev = run.batch, run.hidden.device
+        if self.levels[0][0].device != dev:   # the index tensors move to the heads' device once
+            self.levels = [tuple(t.to(dev) for t in level) for level in self.levels]
+        nodes = torch.zeros(B, tree.size, dtype=torch.int64, device=dev)
         nodes[:, 0] = run.last_tokens()
         for depth, (paths, children, slot, rank) in enumerate(self.levels):
             P = len(paths)
             logits = self.heads.logits(run.hidden.repeat_interleave(P, 0), nodes[:, paths].flatten(0, 1),
-                                       torch.full((B * P,), depth, dtype=torch.int64))    # (B P, V)
+                                       torch.full((B * P,), depth, dtype=torch.int64, device=dev))  # (B P, V)
             top = top_k_ids(logits, k).view(B, P, k)
             nodes[:, children] = top[:, slot, rank]
-        return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool), tree)
+        return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool, device=dev), tree)
 
 
-def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:
+def _levels(tree: Tree, num_heads: int, device="cpu") -> list[tuple[torch.Tensor, ...]]:
     """Per depth d: the paths (P, K) of the nodes at depth d that have children (node ids from the root, padded
     with the root: the heads ignore slots past their depth), and for the nodes at depth d + 1 their ids, the
     index of their parent among those P, and their rank."""
@@ -187,7 +190,7 @@ def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:
     for d in range(tree.max_depth):
         children = [i for i in range(1, tree.size) if int(tree.depth[i]) == d + 1]
         parents = sorted({tree.parent[i] for i in children})
-        paths = torch.tensor([ancestry[p] + [0] * (num_heads - len(ancestry[p])) for p in parents])
-        slot = torch.tensor([parents.index(tree.parent[i]) for i in children])
-        levels.append((paths, torch.tensor(children), slot, tree.rank[children]))
+        paths = torch.tensor([ancestry[p] + [0] * (num_heads - len(ancestry[p])) for p in parents], device=device)
+        slot = torch.tensor([parents.index(tree.parent[i]) for i in children], device=device)
+        levels.append((paths, torch.tensor(children, device=device), slot, tree.rank[children].to(device)))
     return levels

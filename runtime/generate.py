@@ -1,11 +1,13 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specrt import verification
@@ -31,34 +33,48 @@ class Generation:
 
 @dataclass
 class _Run:
-    """The state of one generate call: B rows sharing a prompt, each with its own length."""
-    tokens: torch.Tensor            # (B, Smax) int64
-    lengths: torch.Tensor           # (B,) tokens held, prompt included
+    """The state of one generate call: B rows sharing a prompt, each with its own length. `tokens` and `lengths` live
+    on the engines' device; `host_tokens`, `host_lengths` and `active` are their host mirrors, updated once a round
+    by the one host read (see Generator._commit)."""
+    tokens: torch.Tensor            # (B, Smax) int64, on the device
+    lengths: torch.Tensor           # (B,) tokens held, prompt included, on the device
     prompt_len: int
     max_new: int
-    stop_ids: set[int]
+    stop_ids: torch.Tensor          # (E,) int64 end-of-sequence ids, on the device
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator      # on the device
     max_len: int                    # the engines' max_seq_len
+    host_tokens: np.ndarray         # (B, Smax) int64
+    host_lengths: np.ndarray        # (B,) int64
+    active: np.ndarray              # (B,) bool
+    stop_reason: list[str | None]
     cache_len: int = 0              # slots per row in this request's caches (<= max_len)
     cache: object = None            # the target's KVCache
-    hidden: torch.Tensor | None = None  # (B, d) target hidden state at each row's last accepted position
-    prompt_hidden: torch.Tensor | None = None  # (1, m, d) the prefill's hidden states of the prompt
-    path_hidden: torch.Tensor | None = None    # (B, D+1, d) the last verify's, along each accepted path
-    active: list[bool] = field(default_factory=list)
-    stop_reason: list[str | None] = field(default_factory=list)
+    hidden: torch.Tensor | None = None       # (B, d) target hidden state at each row's last accepted position
+    path_hidden: torch.Tensor | None = None  # (B, D+1, d) target hidden states along the last accepted path
+    prompt_hidden: torch.Tensor | None = None  # (1, m, d) the prompt's, from the prefill (valid until the next pass)
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    per_position: list[list[int]] = field(default_factory=list)  # [accepted, proposed] per draft position
+    per_position: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.int64))  # accepted, proposed
 
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
     def last_tokens(self) -> torch.Tensor:
         """(B,) each row's last committed token."""
         return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 on a device, made once (read only)."""
+    return torch.arange(n, device=device)
 
 
 class Generator:
@@ -156,7 +172,7 @@ class Generator:
         prefill_time = time.perf_counter() - started
         if drafter is not None:
             drafter.start(run)
-        while any(run.active):
+        while run.active.any():
             if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
                 g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
             else:
@@ -199,11 +215,13 @@ class Generator:
             raise InputError(f"prompt of {len(ids)} tokens does not fit the engine's maximum sequence length "
                              f"{max_len} (it needs room for one new token): shorten the prompt or re-export "
                              "with a larger --max-seq-len")
-        tokens = torch.zeros(batch, max_len, dtype=torch.int64)
-        tokens[:, :len(ids)] = torch.tensor(ids)
-        return _Run(tokens, torch.full((batch,), len(ids), dtype=torch.int64), len(ids), max_new_tokens,
-                    set(self.target.spec.get("eos_token_ids", [])), params, params.generator(), max_len,
-                    active=[True] * batch, stop_reason=[None] * batch)
+        device = self.target.device
+        host = np.zeros((batch, max_len), np.int64)
+        host[:, :len(ids)] = ids
+        stop = torch.tensor(sorted(self.target.spec.get("eos_token_ids", [])), dtype=torch.int64, device=device)
+        return _Run(torch.from_numpy(host).to(device), torch.full((batch,), len(ids), dtype=torch.int64, device=device),
+                    len(ids), max_new_tokens, stop, params, params.generator(device), max_len, host,
+                    np.full(batch, len(ids), np.int64), np.ones(batch, bool), [None] * batch)
 
     def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
         if method == "autoregressive":
@@ -234,41 +252,42 @@ class Generator:
 
     def _prefill(self, run: _Run) -> None:
         """The prompt runs once (one row); its cache is copied to the B rows, each samples its first token."""
-        B, m = run.batch, run.prompt_len
+        B, m, dev = run.batch, run.prompt_len, run.device
         one = self.target.new_cache(1, run.cache_len)
-        out = self._timed(self.target, one, run.tokens[:1, :m], torch.arange(m)[None], chain_mask(1, m), 1)
+        out = self._timed(self.target, one, run.tokens[:1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
         one.write(out.new_kv)
         one.past_len += m
         logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
         run.hidden = out.hidden[:, -1].expand(B, -1).clone()                            # (B, d)
-        run.prompt_hidden = out.hidden.clone()                                          # (1, m, d)
+        run.prompt_hidden = out.hidden                                                  # (1, m, d)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         run.cache = one
         if B > 1:
             run.cache = self.target.new_cache(B, run.cache_len)
             run.cache.broadcast_row(one)
-        self._commit(run, Proposal.empty(B), torch.zeros(B, dtype=torch.int64), first,
-                     torch.zeros(B, 1, dtype=torch.int64))
+        zero = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._commit(run, Proposal.empty(B, dev), zero, first.to(dev), zero[:, None], first[:, None].to(dev))
 
     def _room(self, run: _Run) -> int:
         """Tokens that every live row can still add to its cache beyond the pending one."""
-        return min(run.max_len - int(run.lengths[b]) for b in range(run.batch) if run.active[b])
+        return run.max_len - int(run.host_lengths[run.active].max())
 
     def _fit_gamma(self, run: _Run, gamma: int) -> int:
         """No more drafts than the cache has room for, or than the longest-remaining row can still emit."""
-        left = max(run.max_new - (int(run.lengths[b]) - run.prompt_len) for b in range(run.batch) if run.active[b])
+        left = run.max_new - (int(run.host_lengths[run.active].min()) - run.prompt_len)
         return max(0, min(gamma, self._room(run), left - 1))
 
     def _verify(self, run: _Run, proposal: Proposal):
         """One target pass over [last token, proposal] per row (a chain or a tree), written into the cache at
-        past_len = length − 1. Returns accepted counts, next tokens and accepted paths (node ids, root first)."""
+        past_len = length − 1. Returns accepted counts, next tokens, accepted paths (node ids, root first) and the
+        pass's tokens."""
         B, g = proposal.tokens.shape
-        cache = run.cache
+        cache, dev = run.cache, run.device
         cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
         ids = torch.cat([run.last_tokens()[:, None], proposal.tokens], 1)               # (B, S)
-        tree = proposal.tree
-        depth = tree.depth if tree is not None else torch.arange(g + 1)
-        mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1)
+        tree = proposal.tree.on(dev) if proposal.tree is not None else None
+        depth = tree.depth if tree is not None else _arange(g + 1, dev)
+        mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1, dev)
         pos = (cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)
         out = self._timed(self.target, cache, ids, pos, mask, g + 1)
         cache.write(out.new_kv)
@@ -276,62 +295,72 @@ class Generator:
             rule = (lambda: verification.tree_greedy(out.logits, ids, tree)) if run.params.greedy else \
                 (lambda: verification.tree_sampled(probs(out.logits, run.params), ids, tree, run.generator))
             n, nxt, path = rule()
+            path = path.clamp(min=0)                                                    # padding past the leaf
         else:
             if run.params.greedy:
                 n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
             else:
                 P = probs(out.logits, run.params)                                       # (B, γ+1, V)
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
-            path = torch.arange(g + 1).expand(B, -1)
-        last_node = path.gather(1, n[:, None])[:, 0]
-        run.hidden = out.hidden[torch.arange(B), last_node]                             # (B, d) for Medusa
-        run.path_hidden = out.hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, out.hidden.shape[-1]))
+            path = _arange(g + 1, dev).expand(B, -1)
+        d = out.hidden.shape[-1]
+        run.path_hidden = out.hidden.gather(1, path[..., None].expand(-1, -1, d))       # (B, D+1, d)
+        run.hidden = run.path_hidden.gather(1, n[:, None, None].expand(-1, 1, d))[:, 0]  # (B, d) for Medusa
         return n, nxt, path, ids
 
     def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor, path: torch.Tensor,
-                ids: torch.Tensor | None = None) -> tuple[int, int]:
-        """Append accepted drafts and the next token to each live row, compacting a tree path's KV entries
-        into consecutive slots; the round's one host read."""
-        n_host, nxt_host = n.tolist(), nxt.tolist()
-        paths = path.tolist()
-        rows = ids.tolist() if ids is not None else None
-        tree = proposal.tree
-        widths = [tree.max_depth] * run.batch if tree is not None else proposal.valid.sum(1).tolist()
-        accepted = proposed = 0
-        for b in range(run.batch):
-            if not run.active[b]:
-                continue
-            k, width = n_host[b], widths[b]
-            accepted, proposed = accepted + k, proposed + width
-            for i in range(width):
-                while len(run.per_position) <= i:
-                    run.per_position.append([0, 0])
-                run.per_position[i][0] += int(i < k)
-                run.per_position[i][1] += 1
-            nodes = paths[b][:k + 1]
-            if tree is not None and nodes != list(range(k + 1)):
-                run.cache.compact(b, torch.tensor(nodes))
-            self._append(run, b, [rows[b][j] for j in nodes[1:]] + [nxt_host[b]])
+                ids: torch.Tensor) -> tuple[int, int]:
+        """Append each live row's accepted drafts and next token (cut at a stop), compacting a tree path's KV
+        entries into consecutive slots: tensor operations over all rows on the device, then the round's one host
+        read (accepted and emitted counts, the tokens, whether a row stopped at an end-of-sequence id)."""
+        B, W = path.shape                                                               # W = D + 1
+        j = _arange(W, run.device)
+        emitted = ids.gather(1, path).roll(-1, 1)                                       # (B, W) path tokens after the root
+        emitted.scatter_(1, n[:, None], nxt[:, None])                                   # the next token after the n accepted
+        room = torch.minimum(run.max_new + run.prompt_len - run.lengths, run.max_len - run.lengths)   # (B,)
+        count = torch.minimum(n + 1, room)
+        stop = torch.isin(emitted, run.stop_ids) & (j < count[:, None])                 # (B, W)
+        eos = stop.any(1)
+        count = torch.where(eos, stop.int().argmax(1) + 1, count)
+        count *= torch.from_numpy(run.active).to(run.device, non_blocking=True)
+        if proposal.tree is not None:
+            run.cache.compact(path)
+        slots = (run.lengths[:, None] + j).clamp(max=run.max_len - 1)                   # (B, W)
+        keep = run.tokens.gather(1, slots)
+        run.tokens.scatter_(1, slots, torch.where(j < count[:, None], emitted, keep))
+        run.lengths += count
+        width = proposal.valid.sum(1) if proposal.tree is None else torch.full_like(n, proposal.tree.max_depth)
+        host = torch.cat([torch.stack([n, count, eos.long(), width], 1), emitted], 1).cpu().numpy()  # the read
+        return self._account(run, host)
+
+    def _account(self, run: _Run, host: np.ndarray) -> tuple[int, int]:
+        """Host side of a commit: the mirrors, stop reasons and acceptance counts from the round's one read."""
+        n, count, eos, width, emitted = host[:, 0], host[:, 1], host[:, 2].astype(bool), host[:, 3], host[:, 4:]
+        live = run.active.copy()
+        for b in np.flatnonzero(count):
+            run.host_tokens[b, run.host_lengths[b]:run.host_lengths[b] + count[b]] = emitted[b, :count[b]]
+        run.host_lengths += count
+        made = run.host_lengths - run.prompt_len
+        for b in np.flatnonzero(live):
+            reason = ("eos" if eos[b] else "max_new_tokens" if made[b] >= run.max_new else
+                      "max_seq_len" if run.host_lengths[b] >= run.max_len else None)
+            if reason:
+                run.active[b], run.stop_reason[b] = False, reason
+        n, width = n[live], width[live]
+        W = int(width.max(initial=0))
+        if W > run.per_position.shape[1]:
+            run.per_position = np.pad(run.per_position, ((0, 0), (0, W - run.per_position.shape[1])))
+        at = np.arange(W)
+        run.per_position[0, :W] += (at < n[:, None]).sum(0)
+        run.per_position[1, :W] += (at < width[:, None]).sum(0)
+        accepted, proposed = int(n.sum()), int(width.sum())
         run.rounds += 1
         run.accepted += accepted
         run.proposed += proposed
         return accepted, proposed
 
-    def _append(self, run: _Run, b: int, new: list[int]) -> None:
-        length = int(run.lengths[b])
-        for tok in new:
-            run.tokens[b, length] = tok
-            length += 1
-            reason = ("eos" if tok in run.stop_ids else
-                      "max_new_tokens" if length - run.prompt_len >= run.max_new else
-                      "max_seq_len" if length >= run.max_len else None)
-            if reason:
-                run.active[b], run.stop_reason[b] = False, reason
-                break
-        run.lengths[b] = length
-
     def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma, tree) -> Generation:
-        new = [run.tokens[b, run.prompt_len:int(run.lengths[b])].tolist() for b in range(run.batch)]
+        new = [run.host_tokens[b, run.prompt_len:run.host_lengths[b]].tolist() for b in range(run.batch)]
         total = sum(map(len, new))
         rounds = run.rounds - 1  # the prefill emits the first token, it is not a speculation round
         stats = {
@@ -340,7 +369,7 @@ class Generator:
             "rounds": rounds,
             "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
             "mean_tokens_per_round": (total - run.batch) / (rounds * run.batch) if rounds else None,
-            "acceptance_per_position": [a / p for a, p in run.per_position],
+            "acceptance_per_position": (run.per_position[0] / np.maximum(run.per_position[1], 1)).tolist(),
             "tokens_per_s": total / wall if wall > 0 else None,
             "engine_time_s": self.engine_time,
             "loop_time_s": wall - self.engine_time,

@@ -22,7 +22,7 @@ class KVCache:
         """Write the S new entries (2L, B, Hkv, S, D) of each row at `start[b]` (default `past_len`)."""
         start = self.past_len if start is None else start
         S = new_kv.shape[3]
-        if new_kv.shape[1] == 1:
+        if new_kv.shape[1] == 1 and start.device.type == "cpu":   # one row on the host: a plain slice is cheapest
             p = int(start[0])
             self.data[:, 0, :, p:p + S] = new_kv[:, 0]
             return
@@ -31,11 +31,16 @@ class KVCache:
         by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
         by_row[rows, slots] = new_kv.permute(1, 3, 0, 2, 4)               # (B, S, 2L, Hkv, D)
 
-    def compact(self, row: int, offsets: torch.Tensor) -> None:
-        """Move the entries at `past_len[row] + offsets` to consecutive slots from `past_len[row]` (tree paths)."""
-        p = int(self.past_len[row])
-        picked = self.data[:, row, :, p + offsets]                        # (2L, Hkv, n, D), a copy
-        self.data[:, row, :, p:p + len(offsets)] = picked
+    def compact(self, offsets: torch.Tensor) -> None:
+        """Move each row's entries at `past_len[b] + offsets[b]` (B, n) to consecutive slots from `past_len[b]`
+        (accepted tree paths), all rows at once on the cache's device."""
+        n = offsets.shape[1]
+        base = self.past_len[:, None]                                     # (B, 1)
+        src = (base + offsets).clamp_(0, self.length - 1)                 # (B, n)
+        dst = (base + torch.arange(n, device=base.device)).clamp_(max=self.length - 1)
+        rows = torch.arange(offsets.shape[0], device=base.device)[:, None]
+        by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
+        by_row[rows, dst] = by_row[rows, src]                             # the right side is a copy
 
     def broadcast_row(self, src: "KVCache") -> None:
         """Fill every row from row 0 of a one-row cache (a prompt prefilled once for B sequences)."""

@@ -8,7 +8,7 @@ model (top-k at each step of its top-1 chain) fill the same tree.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,9 @@ class Tree:
     mask: torch.Tensor               # (N+1, N+1) bool, ancestor-or-self
     children: tuple[tuple[int, ...], ...]  # per node, children in rank order
     leaves: torch.Tensor             # (L, max_depth+1) node ids of each root-to-leaf path, -1 padded
+    parent_ids: torch.Tensor         # (N+1,) int64, parent node (the root is its own parent)
+    child_table: torch.Tensor        # (N+1, max children) children in rank order, -1 padded
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this tree's tensors there
 
     @property
     def size(self) -> int:
@@ -51,9 +54,9 @@ class Tree:
             index[p] = i
             parent.append(index[p[:-1]])
         n = len(parent)
-        depth = torch.tensor([0] + [len(p) for p in paths])
-        rank = torch.tensor([0] + [p[-1] for p in paths])
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        depth = torch.tensor([0] + [len(p) for p in paths], device="cpu")
+        rank = torch.tensor([0] + [p[-1] for p in paths], device="cpu")
+        mask = torch.zeros(n, n, dtype=torch.bool, device="cpu")
         for i in range(n):
             mask[i, i] = True
             if parent[i] >= 0:
@@ -61,14 +64,31 @@ class Tree:
         children = tuple(tuple(sorted((j for j in range(n) if parent[j] == i), key=lambda j: int(rank[j])))
                          for i in range(n))
         leaf_ids = [i for i in range(n) if not children[i]]
-        leaves = torch.full((len(leaf_ids), int(depth.max()) + 1), -1, dtype=torch.int64)
+        leaves = torch.full((len(leaf_ids), int(depth.max()) + 1), -1, dtype=torch.int64, device="cpu")
         for row, leaf in enumerate(leaf_ids):
             chain = []
             while leaf >= 0:
                 chain.append(leaf)
                 leaf = parent[leaf]
-            leaves[row, :len(chain)] = torch.tensor(chain[::-1])
-        return cls(tuple(paths), tuple(parent), depth, rank, mask, children, leaves)
+            leaves[row, :len(chain)] = torch.tensor(chain[::-1], device="cpu")
+        parent_ids = torch.tensor(parent, device="cpu").clamp(min=0)
+        child_table = torch.full((n, max(map(len, children))), -1, dtype=torch.int64, device="cpu")
+        for i, ch in enumerate(children):
+            child_table[i, :len(ch)] = torch.tensor(ch, dtype=torch.int64, device="cpu")
+        return cls(tuple(paths), tuple(parent), depth, rank, mask, children, leaves, parent_ids, child_table)
+
+    def on(self, device) -> "Tree":
+        """This tree with its tensors on `device` (made once per device; the loop indexes device tensors with them)."""
+        device = torch.device(device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, 0)
+        if device == self.depth.device:
+            return self
+        if device not in self._copies:
+            moved = {k: getattr(self, k).to(device) for k in
+                     ("depth", "rank", "mask", "leaves", "parent_ids", "child_table")}
+            self._copies[device] = replace(self, **moved, _copies={})
+        return self._copies[device]
 
     @classmethod
     def chain_with_siblings(cls, depth: int, width: int) -> "Tree":
@@ -77,8 +97,8 @@ class Tree:
 
     def node_tokens(self, candidates: torch.Tensor) -> torch.Tensor:
         """candidates (B, max_depth, k) -> tokens of nodes 1..N (B, N)."""
-        d, r = self.depth[1:] - 1, self.rank[1:]
-        return candidates[:, d, r]
+        t = self.on(candidates.device)
+        return candidates[:, t.depth[1:] - 1, t.rank[1:]]
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"paths": [list(p) for p in self.paths]}) + "\n")

@@ -56,9 +56,9 @@ def sampled(P: torch.Tensor, Q: torch.Tensor | None, draft: torch.Tensor, valid:
 
 def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
     """The deepest path on which every node is its parent's target argmax."""
+    tree = tree.on(tokens.device)
     best = argmax(target_logits)                                       # (B, N+1)
-    parent = torch.tensor(tree.parent).clamp(min=0)
-    ok = tokens == best[:, parent]                                     # node i is its parent's argmax
+    ok = tokens == best[:, tree.parent_ids]                            # node i is its parent's argmax
     ok[:, 0] = True
     leaves = tree.leaves                                               # (L, D+1)
     on_path = ok[:, leaves.clamp(min=0)] & (leaves >= 0)               # (B, L, D+1)
@@ -83,10 +83,8 @@ def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.G
     from R. When every child fails, the next token is sampled from what remains of R."""
     B, D = P.shape[0], tree.max_depth
     rows = torch.arange(B, device=P.device)
-    width = max(len(c) for c in tree.children)
-    table = torch.full((tree.size, width), -1, dtype=torch.int64)      # children in rank order, -1 padded
-    for i, ch in enumerate(tree.children):
-        table[i, :len(ch)] = torch.tensor(ch, dtype=torch.int64)
+    table = tree.on(P.device).child_table                              # (N+1, width) children in rank order
+    width = table.shape[1]
     node = torch.zeros(B, dtype=torch.int64, device=P.device)
     path = torch.zeros(B, D + 1, dtype=torch.int64, device=P.device)
     n = torch.zeros(B, dtype=torch.int64, device=P.device)

@@ -43,7 +43,7 @@ def test_write_compact_truncate_continue(tiny_engines):
     out = engine.forward(nodes[None], cache.past_len[:, None] + depth[None], cache.past_len, mask[None], 7, cache)
     cache.write(out.new_kv)
     accepted = path(PARENTS, 6)
-    cache.compact(0, torch.tensor(accepted))
+    cache.compact(torch.tensor([accepted]))                        # (B, n) offsets, one row here
     cache.past_len += len(accepted)
     seq = prompt + nodes[accepted].tolist()
     x = 11
