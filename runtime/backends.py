@@ -74,6 +74,8 @@ class OrtEngine:
         self._cache: KVCache | None = None
         self._outputs: StepOutput | None = None
         self._outputs_for: tuple[int, int, int] | None = None   # (B, S, num_logits) the outputs are bound for
+        self._inputs: dict[str, tuple] = {}     # name -> (address, shape) bound now
+        self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
         """A cache of `length` slots per row (default and at most the engine's max_seq_len)."""
@@ -109,12 +111,17 @@ class OrtEngine:
             self.use_cache(cache)
         assert self._cache is not None, "call new_cache() first"
         B, S = input_ids.shape
-        num = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
+        num = self._num.get(num_logits)
+        if num is None:
+            num = self._num[num_logits] = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
                  "tree_mask": tree_mask, "num_logits": num, **extra}
         feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
         for name, t in feeds.items():
-            self._bind("input", name, t)
+            key = (t.data_ptr(), t.shape, t.device)
+            if self._inputs.get(name) != key:   # past_len, the chain masks and num_logits mostly stay bound
+                self._bind("input", name, t)
+                self._inputs[name] = key
         if self._outputs_for != (B, S, num_logits):
             self._bind_outputs(B, S, num_logits)
         self.session.run_with_iobinding(self.binding)

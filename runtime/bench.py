@@ -43,6 +43,7 @@ class BenchConfig:
     out: Path = Path("bench-out")
     seed: int = 0
     threads: int | None = None
+    device: str = "auto"                 # the engines' device; the transformers peers run there too
 
 
 @dataclass
@@ -155,7 +156,7 @@ def run_peer(model, ids: list[int], name: str, temperature: float, max_new: int,
         extra["assistant_model"] = assistant
     sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
                 else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     torch.manual_seed(seed)
     t = time.perf_counter()
     with torch.inference_mode():
@@ -186,7 +187,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
 
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     torch.set_num_threads(bench.info["threads"])
-    gen = Generator.from_engines(cfg.engines, threads=bench.info["threads"])
+    gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"])
     methods = [m for m in cfg.methods if _runnable(gen, m, bench.notes)]
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")
@@ -194,8 +195,8 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
     models = gen.manifest["models"]
     peers = _peers(cfg, models, bench.notes)
-    target = load_source(models["target"]["source"]).model
-    assistant = load_source(models["draft"]["source"]).model if "hf-assisted" in peers else None
+    target = load_source(models["target"]["source"]).model.to(gen.target.device)
+    assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
     costs = gen.costs()
     bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
@@ -298,16 +299,17 @@ def _csv(kind):
               help="Also run transformers generate, assisted generation and prompt lookup.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep, sweep_prompts,
-          peers, seed, threads, out):
+          peers, seed, threads, device, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specrt.report import terminal_table, write_outputs
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
-                      sweep_prompts, peers, out, seed, threads)
+                      sweep_prompts, peers, out, seed, threads, device)
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:

@@ -35,7 +35,7 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
     total = np.zeros(depth)
     for ids in prompts:
         seq, start = _hidden_and_truth(gen, ids, new_tokens)
-        truth = torch.tensor(seq)
+        truth = torch.tensor(seq, device=gen.target.device)
         if method == "medusa":
             hidden = gen.target.run_sequence(seq, len(seq)).hidden[0]                                # (S, d)
             # position t's root is token t + 1; sequential heads also read the true tokens after it, which is what
@@ -49,6 +49,7 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
             # on an accepted path the draft proposes depth d at position t + d, having seen the true prefix
             top = torch.stack([ranks.roll(-d, 0) for d in range(depth)], 1)                     # (S, D, k)
             offset = 1
+        top, truth = top.cpu(), truth.cpu()  # one read: the counting below is host work
         for t in range(start - 1, len(seq) - 1):
             for d in range(depth):
                 target = t + d + offset
@@ -69,9 +70,10 @@ def heads_time(gen) -> float:
     from specrt.adaptive import measure
     heads, K = gen.medusa, gen.medusa.num_heads
     hidden = torch.zeros(1, gen.target.spec["hidden_size"], device=heads.device)
-    tokens = torch.zeros(1, K, dtype=torch.int64)
+    tokens = torch.zeros(1, K, dtype=torch.int64, device=heads.device)
     if heads.sequential:
-        return measure(lambda: heads.logits(hidden, tokens, torch.zeros(1, dtype=torch.int64)), reps=5)
+        head = torch.zeros(1, dtype=torch.int64, device=heads.device)
+        return measure(lambda: heads.logits(hidden, tokens, head), reps=5)
     return measure(lambda: heads.forward(hidden, tokens), reps=5)
 
 

@@ -31,7 +31,7 @@ class Report:
 
 def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
     """The target's logits after `ids`, from a fresh one-row pass of its engine."""
-    return gen.target.run_sequence(ids).logits[0, -1].clone()
+    return gen.target.run_sequence(ids).logits[0, -1].to("cpu", copy=True)  # the engine reuses its buffer
 
 
 def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int, **kw) -> list[dict]:

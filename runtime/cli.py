@@ -157,8 +157,9 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
 @click.option("--gamma", default=2, show_default=True)
 @click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
-           alpha, seed):
+           alpha, seed, device):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed)."""
     from specrt.bench import load_prompts
@@ -166,7 +167,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
     from specrt.generate import Generator
     from specrt.sampling import SamplingParams
     try:
-        gen = Generator.from_engines(engines)
+        gen = Generator.from_engines(engines, device=device)
         if gen.tokenizer is not None:
             prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)]
         else:  # engines without a tokenizer: short repeating id prompts
@@ -206,13 +207,14 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
 @click.option("--method", type=click.Choice(["medusa", "draft", "eagle"]), default="medusa", show_default=True)
 @click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
 @click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
-def tune_tree(engines, method, max_nodes, width):
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda: the tree is chosen for it.")
+def tune_tree(engines, method, max_nodes, width, device):
     """Choose the candidate tree for METHOD automatically (acceptance per depth and rank on calibration
     prompts, verification cost measured here) and save it with ENGINES; generate uses it by default."""
     from specrt.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
     from specrt.generate import Generator
     try:
-        gen = Generator.from_engines(engines)
+        gen = Generator.from_engines(engines, device=device)
         if getattr(gen, method) is None:
             raise SpecrtError(f"{engines} has no {method} model to calibrate; export it first")
         prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else

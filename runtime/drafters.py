@@ -25,8 +25,14 @@ class Proposal:
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "Proposal":
-        return cls(torch.zeros(batch, 0, dtype=torch.int64, device=device), None,
-                   torch.zeros(batch, 0, dtype=torch.bool, device=device))
+        return _empty_proposal(batch, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _empty_proposal(batch: int, device: torch.device) -> Proposal:
+    """No drafts (a plain target step); made once per batch size and device (read only)."""
+    return Proposal(torch.zeros(batch, 0, dtype=torch.int64, device=device), None,
+                    torch.zeros(batch, 0, dtype=torch.bool, device=device))
 
 
 def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:

@@ -317,7 +317,7 @@ class Generator:
         j = _arange(W, run.device)
         emitted = ids.gather(1, path).roll(-1, 1)                                       # (B, W) path tokens after the root
         emitted.scatter_(1, n[:, None], nxt[:, None])                                   # the next token after the n accepted
-        room = torch.minimum(run.max_new + run.prompt_len - run.lengths, run.max_len - run.lengths)   # (B,)
+        room = min(run.max_new + run.prompt_len, run.max_len) - run.lengths             # (B,) tokens a row may add
         count = torch.minimum(n + 1, room)
         stop = torch.isin(emitted, run.stop_ids) & (j < count[:, None])                 # (B, W)
         eos = stop.any(1)
