@@ -154,11 +154,12 @@ class MedusaDrafter:
 
     name = "medusa"
 
-    def __init__(self, heads, tree: Tree):
+    def __init__(self, heads, tree: Tree, timer=None):
         if tree.max_depth > heads.num_heads:
             raise InputError(f"tree of depth {tree.max_depth} needs {tree.max_depth} Medusa heads; the engine set "
                              f"has {heads.num_heads}")
         self.heads, self.tree = heads, tree
+        self.timer = timer or (lambda fn, *args: fn(*args))   # counts the heads' passes as engine time
         self.levels = _levels(tree, heads.num_heads) if heads.sequential else None
 
     def start(self, run) -> None:
@@ -168,7 +169,7 @@ class MedusaDrafter:
         tree, k = self.tree, self.tree.max_rank
         if self.levels is None:
             tokens = run.last_tokens()[:, None].expand(-1, self.heads.num_heads)
-            logits = self.heads.forward(run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
+            logits = self.timer(self.heads.forward, run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
             nodes = tree.node_tokens(top_k_ids(logits, k))                                # (B, N)
             return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree)
         B, dev = run.batch, run.hidden.device
@@ -178,8 +179,8 @@ class MedusaDrafter:
         nodes[:, 0] = run.last_tokens()
         for depth, (paths, children, slot, rank) in enumerate(self.levels):
             P = len(paths)
-            logits = self.heads.logits(run.hidden.repeat_interleave(P, 0), nodes[:, paths].flatten(0, 1),
-                                       torch.full((B * P,), depth, dtype=torch.int64, device=dev))  # (B P, V)
+            logits = self.timer(self.heads.logits, run.hidden.repeat_interleave(P, 0), nodes[:, paths].flatten(0, 1),
+                                torch.full((B * P,), depth, dtype=torch.int64, device=dev))         # (B P, V)
             top = top_k_ids(logits, k).view(B, P, k)
             nodes[:, children] = top[:, slot, rank]
         return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool, device=dev), tree)

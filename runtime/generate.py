@@ -34,13 +34,13 @@ class Generation:
 @dataclass
 class _Run:
     """The state of one generate call: B rows sharing a prompt, each with its own length. `tokens` and `lengths` live
-    on the engines' device; `host_tokens`, `host_lengths` and `active` are their host mirrors, updated once a round
-    by the one host read (see Generator._commit)."""
+    on the engines' device; `host_tokens`, `host_lengths` and `active` are the host's, updated once a round from
+    the one host read (see Generator._commit) and copied to the device (on the CPU they share memory)."""
     tokens: torch.Tensor            # (B, Smax) int64, on the device
     lengths: torch.Tensor           # (B,) tokens held, prompt included, on the device
     prompt_len: int
     max_new: int
-    stop_ids: torch.Tensor          # (E,) int64 end-of-sequence ids, on the device
+    stop_ids: frozenset[int]        # end-of-sequence ids
     params: SamplingParams
     generator: torch.Generator      # on the device
     max_len: int                    # the engines' max_seq_len
@@ -56,7 +56,7 @@ class _Run:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    per_position: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.int64))  # accepted, proposed
+    per_position: list[list[int]] = field(default_factory=list)  # [accepted, proposed] per draft position
 
     @property
     def batch(self) -> int:
@@ -131,8 +131,12 @@ class Generator:
         return self.tokenizer(prompt)["input_ids"]
 
     def _timed(self, engine, cache, ids, pos, mask, num_logits, **extra):
+        return self._timed_call(engine.forward, ids, pos, cache.past_len, mask, num_logits, cache, **extra)
+
+    def _timed_call(self, fn, *args, **kw):
+        """fn(*args, **kw), its time counted as engine time (a pass of an engine)."""
         t = time.perf_counter()
-        out = engine.forward(ids, pos, cache.past_len, mask, num_logits, cache, **extra)
+        out = fn(*args, **kw)
         self.engine_time += time.perf_counter() - t
         return out
 
@@ -216,12 +220,14 @@ class Generator:
                              f"{max_len} (it needs room for one new token): shorten the prompt or re-export "
                              "with a larger --max-seq-len")
         device = self.target.device
-        host = np.zeros((batch, max_len), np.int64)
-        host[:, :len(ids)] = ids
-        stop = torch.tensor(sorted(self.target.spec.get("eos_token_ids", [])), dtype=torch.int64, device=device)
-        return _Run(torch.from_numpy(host).to(device), torch.full((batch,), len(ids), dtype=torch.int64, device=device),
-                    len(ids), max_new_tokens, stop, params, params.generator(device), max_len, host,
-                    np.full(batch, len(ids), np.int64), np.ones(batch, bool), [None] * batch)
+        tokens = np.zeros((batch, max_len), np.int64)
+        tokens[:, :len(ids)] = ids
+        lengths = np.full(batch, len(ids), np.int64)
+        stop = frozenset(self.target.spec.get("eos_token_ids", []))
+        # on the CPU the device tensors share the mirrors' memory (from_numpy); elsewhere they are copies
+        return _Run(torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device), len(ids),
+                    max_new_tokens, stop, params, params.generator(device), max_len, tokens, lengths,
+                    np.ones(batch, bool), [None] * batch)
 
     def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
         if method == "autoregressive":
@@ -229,7 +235,7 @@ class Generator:
         if method == "ngram":
             return NgramDrafter(ngram_max, ngram_min)
         if method == "medusa":
-            return MedusaDrafter(self.medusa, self.tree_for("medusa", tree_choices))
+            return MedusaDrafter(self.medusa, self.tree_for("medusa", tree_choices), self._timed_call)
         if method == "eagle":
             return EagleDrafter(self.eagle, self._timed, DynamicTree(**self.eagle.spec.get("dynamic_tree", {})))
         if tree or tree_choices is not None:
@@ -283,8 +289,13 @@ class Generator:
         pass's tokens."""
         B, g = proposal.tokens.shape
         cache, dev = run.cache, run.device
-        cache.truncate((run.lengths - 1).clamp(max=run.max_len - 1 - g))
-        ids = torch.cat([run.last_tokens()[:, None], proposal.tokens], 1)               # (B, S)
+        # the round's inputs from the host mirrors: numpy is cheaper than device ops on a few values
+        past = np.minimum(run.host_lengths - 1, run.max_len - 1 - g)                      # (B,)
+        last = run.host_tokens[np.arange(B), run.host_lengths - 1][:, None]              # (B, 1)
+        cache.past_len.copy_(torch.from_numpy(past))
+        ids = torch.from_numpy(last).to(dev)
+        if g:
+            ids = torch.cat([ids, proposal.tokens], 1)                                  # (B, S)
         tree = proposal.tree.on(dev) if proposal.tree is not None else None
         depth = tree.depth if tree is not None else _arange(g + 1, dev)
         mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1, dev)
@@ -303,57 +314,60 @@ class Generator:
                 P = probs(out.logits, run.params)                                       # (B, γ+1, V)
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path = _arange(g + 1, dev).expand(B, -1)
+        # the target's features along the accepted path (views of the engine's buffer when it is a chain: they
+        # are read by the next proposal, before the target's next pass)
         d = out.hidden.shape[-1]
-        run.path_hidden = out.hidden.gather(1, path[..., None].expand(-1, -1, d))       # (B, D+1, d)
-        run.hidden = run.path_hidden.gather(1, n[:, None, None].expand(-1, 1, d))[:, 0]  # (B, d) for Medusa
+        run.path_hidden = out.hidden if tree is None else out.hidden.gather(1, path[..., None].expand(-1, -1, d))
+        run.hidden = run.path_hidden[:, 0] if g == 0 else \
+            run.path_hidden.gather(1, n[:, None, None].expand(-1, 1, d))[:, 0]            # (B, d) for Medusa
         return n, nxt, path, ids
 
     def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor, path: torch.Tensor,
                 ids: torch.Tensor) -> tuple[int, int]:
-        """Append each live row's accepted drafts and next token (cut at a stop), compacting a tree path's KV
-        entries into consecutive slots: tensor operations over all rows on the device, then the round's one host
-        read (accepted and emitted counts, the tokens, whether a row stopped at an end-of-sequence id)."""
-        B, W = path.shape                                                               # W = D + 1
-        j = _arange(W, run.device)
-        emitted = ids.gather(1, path).roll(-1, 1)                                       # (B, W) path tokens after the root
-        emitted.scatter_(1, n[:, None], nxt[:, None])                                   # the next token after the n accepted
-        room = min(run.max_new + run.prompt_len, run.max_len) - run.lengths             # (B,) tokens a row may add
-        count = torch.minimum(n + 1, room)
-        stop = torch.isin(emitted, run.stop_ids) & (j < count[:, None])                 # (B, W)
-        eos = stop.any(1)
-        count = torch.where(eos, stop.int().argmax(1) + 1, count)
-        count *= torch.from_numpy(run.active).to(run.device, non_blocking=True)
-        if proposal.tree is not None:
+        """Append each live row's accepted drafts and next token (cut at a stop), after compacting a tree path's KV
+        entries into consecutive slots. The device gives the round's one host read (accepted counts, next
+        tokens, the path's tokens, proposal widths); the bookkeeping is host work on the mirrors."""
+        tree = proposal.tree
+        if tree is not None:
             run.cache.compact(path)
-        slots = (run.lengths[:, None] + j).clamp(max=run.max_len - 1)                   # (B, W)
-        keep = run.tokens.gather(1, slots)
-        run.tokens.scatter_(1, slots, torch.where(j < count[:, None], emitted, keep))
-        run.lengths += count
-        width = proposal.valid.sum(1) if proposal.tree is None else torch.full_like(n, proposal.tree.max_depth)
-        host = torch.cat([torch.stack([n, count, eos.long(), width], 1), emitted], 1).cpu().numpy()  # the read
+            ids = ids.gather(1, path)                                                   # (B, D+1) root first
+            width = torch.full_like(n, tree.max_depth)
+        else:
+            width = proposal.valid.sum(1)                                               # a chain's path is itself
+        host = torch.cat([n[:, None], nxt[:, None], width[:, None], ids], 1).cpu().numpy()  # the read
         return self._account(run, host)
 
     def _account(self, run: _Run, host: np.ndarray) -> tuple[int, int]:
-        """Host side of a commit: the mirrors, stop reasons and acceptance counts from the round's one read."""
-        n, count, eos, width, emitted = host[:, 0], host[:, 1], host[:, 2].astype(bool), host[:, 3], host[:, 4:]
-        live = run.active.copy()
-        for b in np.flatnonzero(count):
-            run.host_tokens[b, run.host_lengths[b]:run.host_lengths[b] + count[b]] = emitted[b, :count[b]]
-        run.host_lengths += count
-        made = run.host_lengths - run.prompt_len
-        for b in np.flatnonzero(live):
-            reason = ("eos" if eos[b] else "max_new_tokens" if made[b] >= run.max_new else
-                      "max_seq_len" if run.host_lengths[b] >= run.max_len else None)
+        """Host side of a commit, from the read: per row the accepted count n, the next token, the proposal width,
+        then the path's tokens (root first). Writes the mirrors (on the CPU, the device tensors themselves), the
+        stop reasons and the acceptance counts. Plain Python over the rows: for the few rows of a request it
+        costs a fraction of numpy's per-call overhead."""
+        limit = min(run.max_new + run.prompt_len, run.max_len)
+        accepted = proposed = 0
+        for b, (n, nxt, width, _root, *path) in enumerate(host.tolist()):
+            if not run.active[b]:
+                continue
+            accepted, proposed = accepted + n, proposed + width
+            for i in range(width):
+                while len(run.per_position) <= i:
+                    run.per_position.append([0, 0])
+                run.per_position[i][0] += i < n
+                run.per_position[i][1] += 1
+            length = int(run.host_lengths[b])
+            new = (path[:n] + [nxt])[:limit - length]
+            eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
+            if eos is not None:
+                new = new[:eos + 1]
+            run.host_tokens[b, length:length + len(new)] = new
+            length += len(new)
+            run.host_lengths[b] = length
+            reason = ("eos" if eos is not None else "max_new_tokens" if length - run.prompt_len >= run.max_new else
+                      "max_seq_len" if length >= run.max_len else None)
             if reason:
                 run.active[b], run.stop_reason[b] = False, reason
-        n, width = n[live], width[live]
-        W = int(width.max(initial=0))
-        if W > run.per_position.shape[1]:
-            run.per_position = np.pad(run.per_position, ((0, 0), (0, W - run.per_position.shape[1])))
-        at = np.arange(W)
-        run.per_position[0, :W] += (at < n[:, None]).sum(0)
-        run.per_position[1, :W] += (at < width[:, None]).sum(0)
-        accepted, proposed = int(n.sum()), int(width.sum())
+        if run.device.type != "cpu":   # on the CPU the mirrors are the device tensors
+            run.tokens.copy_(torch.from_numpy(run.host_tokens), non_blocking=True)
+            run.lengths.copy_(torch.from_numpy(run.host_lengths), non_blocking=True)
         run.rounds += 1
         run.accepted += accepted
         run.proposed += proposed
@@ -369,7 +383,7 @@ class Generator:
             "rounds": rounds,
             "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
             "mean_tokens_per_round": (total - run.batch) / (rounds * run.batch) if rounds else None,
-            "acceptance_per_position": (run.per_position[0] / np.maximum(run.per_position[1], 1)).tolist(),
+            "acceptance_per_position": [a / p for a, p in run.per_position],
             "tokens_per_s": total / wall if wall > 0 else None,
             "engine_time_s": self.engine_time,
             "loop_time_s": wall - self.engine_time,

@@ -14,6 +14,8 @@ from specrt.sampling import argmax, sample
 
 def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor):
     best = argmax(target_logits)                                       # (B, γ+1)
+    if draft.shape[1] == 0:                                            # a plain step: nothing to accept
+        return torch.zeros_like(best[:, 0]), best[:, 0]
     match = (draft == best[:, :-1]) & valid                            # (B, γ)
     n = match.int().cumprod(1).sum(1)                                  # (B,)
     return n, best.gather(1, n[:, None])[:, 0]
