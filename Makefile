@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 $(ENGINES)/manifest.json: | $(STAMP)
-	$(SPECRT) export --target smollm2-135m --draft $(DRAFT) --medusa $(MEDUSA) --out $(ENGINES) --force
+	$(SPECRT) export --target smollm2-135m --draft $(DRAFT) --medusa $(MEDUSA) --eagle $(EAGLE) --out $(ENGINES) --force
 	$(SPECRT) build $(ENGINES)
 
 engines: $(ENGINES)/manifest.json
@@ -47,7 +47,7 @@ test: engines
 	$(PY) -m pytest -q
 
 bench: engines
-	$(SPECRT) bench $(ENGINES) --methods autoregressive,draft,ngram,medusa,draft-tree --out bench-out
+	$(SPECRT) bench $(ENGINES) --methods autoregressive,draft,ngram,medusa,draft-tree,eagle --out bench-out
 
 # Needs an NVIDIA GPU and the gpu extra (onnxruntime-gpu in place of onnxruntime: pip install -e '.[gpu]'),
 # which is the user's to install; writes gpu-check.json (see README, "GPU check").

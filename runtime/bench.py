@@ -254,6 +254,9 @@ def _runnable(gen, method: str, notes: list[str]) -> bool:
     if method == "medusa" and gen.medusa is None:
         notes.append(f"medusa skipped: {gen.directory} has no Medusa heads (export with --medusa PATH)")
         return False
+    if method == "eagle" and gen.eagle is None:
+        notes.append(f"eagle skipped: {gen.directory} has no EAGLE drafter (export with --eagle PATH)")
+        return False
     return True
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-CASES = [("autoregressive", {}), ("draft", {}), ("draft", {"tree": True}), ("ngram", {}), ("medusa", {})]
+CASES = [("autoregressive", {}), ("draft", {}), ("draft", {"tree": True}), ("ngram", {}), ("medusa", {}),
+         ("eagle", {})]
 
 
 @pytest.mark.slow
