@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specrt.errors import InputError
-from specrt.export.model import Block, ModelArgs, SpecModel, full_vocab, rotate_half
+from specrt.export.model import Block, SpecModel, full_vocab, rotate_half
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")

@@ -62,7 +62,7 @@ class EagleDrafter:
     def start(self, run) -> None:
         B = run.batch
         self.cache = self.engine.new_cache(B, run.cache_len)
-        self.source = (run.prompt_hidden.expand(B, -1, -1), torch.zeros(B, dtype=torch.int64))
+        self.source = (run.prompt_hidden.expand(B, -1, -1), torch.zeros(B, dtype=torch.int64, device=run.device))
         self.next_round, self.root = run.rounds, None
 
     def propose(self, run, gamma: int) -> Proposal:
@@ -79,27 +79,27 @@ class EagleDrafter:
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
         logits (B, V) and the predicted feature there (B, d)."""
-        B, cache = run.batch, self.cache
+        B, cache, dev = run.batch, self.cache, run.device
         feats, root = self.source                                                   # (B, F, d), (B,)
         count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
         S = max(1, int(count.max()))
-        slots = cache.past_len[:, None] + torch.arange(S)                           # (B, S)
+        slots = cache.past_len[:, None] + torch.arange(S, device=dev)               # (B, S)
         index = (slots - root[:, None]).clamp(0, feats.shape[1] - 1)
         x = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))       # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
         num = S - int(last.min())
-        out = self.timer(self.engine, cache, ids, slots.clamp(max=run.max_len - 1), chain_mask(B, S), num,
+        out = self.timer(self.engine, cache, ids, slots.clamp(max=run.max_len - 1), chain_mask(B, S, dev), num,
                          features=x)
         cache.write(out.new_kv)
         cache.past_len += count
-        rows = torch.arange(B)
+        rows = torch.arange(B, device=dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
     def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, torch.Tensor]:
         """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N)."""
-        k, B = self.shape.top_k, run.batch
-        live = torch.tensor(run.active)
+        k, dev = self.shape.top_k, logits.device
+        live = torch.from_numpy(run.active).to(dev)
         logp = torch.log_softmax(logits.float(), -1)
         tok = top_k_ids(logp, k)                                                    # (B, k)
         paths = [(r,) for r in range(k)]                                            # the frontier, shared
@@ -123,23 +123,24 @@ class EagleDrafter:
             tok, score = ctok.flatten(1)[:, best], cscore[:, best]
             feat = out.hidden[:, -k:][:, best // k].clone()                          # (B, k, d) the parents'
         scores = torch.cat(cand_score, 1)                                           # (B, C)
-        depth_of = torch.tensor([len(p) for p in cand_paths])
+        depth_of = torch.tensor([len(p) for p in cand_paths], device=dev)
         # shallower first among equals, so that a kept node's parent is kept too
         keep = (_mean_logp(scores, live).double().clamp(min=-1e6) - 1e-6 * depth_of).topk(
             min(self.shape.nodes, len(cand_paths)))
         chosen = {cand_paths[i]: i for i in keep.indices.tolist()}
         tree = tree_of(tuple(sorted(chosen, key=lambda p: (len(p), p))))
-        cols = torch.tensor([chosen[p] for p in tree.paths])
+        cols = torch.tensor([chosen[p] for p in tree.paths], device=dev)
         return tree, torch.cat(cand_tok, 1)[:, cols]
 
     def _expand(self, run, tokens, feats, paths, k: int):
         """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k."""
         B, S = tokens.shape
         index = {p: i for i, p in enumerate(paths)}
-        mask = torch.zeros(S, S, dtype=torch.bool)
+        mask = torch.zeros(S, S, dtype=torch.bool, device="cpu")
         for i, p in enumerate(paths):
             mask[i, [index[p[:j]] for j in range(1, len(p) + 1)]] = True
-        depth = torch.tensor([len(p) - 1 for p in paths])
+        mask = mask.to(tokens.device)
+        depth = torch.tensor([len(p) - 1 for p in paths], device=tokens.device)
         pos = (self.cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)     # (B, S)
         return self.timer(self.engine, self.cache, tokens, pos, mask.expand(B, -1, -1).contiguous(), k,
                           features=feats)
@@ -171,8 +172,10 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     context = max(0, min(64, draft.spec["max_seq_len"] - 8))
     cache = draft.new_cache(1, context + 8)
     cache.truncate(context)
-    ids, feats = torch.zeros(1, 8, dtype=torch.int64), torch.zeros(1, 8, draft.spec["hidden_size"])
-    pos, mask = torch.arange(context, context + 8)[None], chain_mask(1, 8)
+    dev = draft.device
+    ids = torch.zeros(1, 8, dtype=torch.int64, device=dev)
+    feats = torch.zeros(1, 8, draft.spec["hidden_size"], device=dev)
+    pos, mask = torch.arange(context, context + 8, device=dev)[None], chain_mask(1, 8, dev)
     draft_pass = measure(lambda: draft.forward(ids, pos, cache.past_len, mask, 4, cache, features=feats), reps=5)
     saved, best = draft.spec.get("dynamic_tree"), (0.0, None)
     try:

@@ -59,6 +59,19 @@ def export_tiny(tmp: Path, arch: str, seed: int = 0, draft=None, max_seq_len: in
     return out, model
 
 
+def export_tiny_with_heads(tmp: Path, vocab: int, num_heads: int, max_seq_len: int):
+    """A tiny llama target with a tiny draft and sequential Medusa heads, exported and built for the CPU."""
+    from specrt.export.medusa import MedusaHeads, save_heads
+    target = tiny_model("llama", seed=1, vocab=vocab, init=0.3)
+    torch.manual_seed(5)
+    heads = MedusaHeads(num_heads, target.config.hidden_size, target.lm_head.weight,
+                        target.model.embed_tokens.weight, sequential=True)
+    save_heads(heads, tmp / "heads")
+    draft = tiny_model("llama", seed=11, vocab=vocab, init=0.3)
+    return export_tiny(tmp, "llama", seed=1, draft=draft, vocab=vocab, init=0.3, max_seq_len=max_seq_len,
+                       medusa=tmp / "heads")
+
+
 @pytest.fixture(scope="session")
 def tiny_engines(tmp_path_factory):
     """One exported + built engine set per registered architecture (session-wide)."""

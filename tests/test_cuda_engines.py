@@ -11,13 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from conftest import export_tiny, tiny_model
+from conftest import export_tiny_with_heads
 from greedy_check import assert_same_or_tie
 from specrt.backends import OrtEngine, bind_tensor, cuda_missing, pick_device
 from specrt.drafters import chain_mask
 from specrt.errors import BackendError
 from specrt.export.build import build
-from specrt.export.medusa import MedusaHeads, save_heads
 from specrt.generate import METHODS, Generator
 from specrt.manifest import read_manifest, sha256_file
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
@@ -61,14 +60,7 @@ def test_static_body_matches_float64_reference(seed):
 def engine_sets(tmp_path_factory):
     """One tiny export (target, draft, Medusa heads) built twice: CPU engines, and CUDA float32 engines."""
     tmp = tmp_path_factory.mktemp("cuda")
-    target = tiny_model("llama", seed=1, vocab=V, init=0.3)
-    torch.manual_seed(5)
-    heads = MedusaHeads(3, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight,
-                        sequential=True)
-    save_heads(heads, tmp / "heads")
-    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
-    cpu, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=96,
-                             medusa=tmp / "heads")
+    cpu, model = export_tiny_with_heads(tmp, V, num_heads=3, max_seq_len=96)
     cuda = tmp / "cuda-float32"
     shutil.copytree(cpu, cuda)
     build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 2, 4, 8))

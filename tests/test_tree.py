@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import export_tiny, tiny_model
+from conftest import export_tiny, export_tiny_with_heads, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
@@ -27,15 +27,7 @@ PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
 
 @pytest.fixture(scope="module")
 def medusa_set(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("medusa")
-    target = tiny_model("llama", seed=1, vocab=V, init=0.3)
-    torch.manual_seed(5)
-    heads = MedusaHeads(4, target.config.hidden_size, target.lm_head.weight, target.model.embed_tokens.weight,
-                        sequential=True)
-    save_heads(heads, tmp / "heads")
-    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
-    directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=V, init=0.3, max_seq_len=48,
-                                   medusa=tmp / "heads")
+    directory, model = export_tiny_with_heads(tmp_path_factory.mktemp("medusa"), V, num_heads=4, max_seq_len=48)
     return Generator.from_engines(directory), model
 
 
