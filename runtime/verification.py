@@ -31,6 +31,8 @@ def residual(P_n: torch.Tensor, Q_n: torch.Tensor) -> torch.Tensor:
 def sampled(P: torch.Tensor, Q: torch.Tensor | None, draft: torch.Tensor, valid: torch.Tensor,
             generator: torch.Generator):
     B, gamma = draft.shape
+    if gamma == 0:                                                     # a plain step: sample from P
+        return torch.zeros(B, dtype=torch.int64, device=P.device), sample(P[:, 0], generator)
     p = P[:, :gamma].gather(-1, draft[..., None])[..., 0]              # (B, γ)  P(x_i)
     q = Q.gather(-1, draft[..., None])[..., 0] if Q is not None else torch.ones_like(p)
     u = torch.rand(p.shape, generator=generator, device=p.device)
