@@ -149,7 +149,7 @@ class OrtEngine:
         cache = self.new_cache(1, len(ids) + 1)
         S, dev = len(ids), self.device
         return self.forward(torch.tensor([ids], device=dev), torch.arange(S, device=dev)[None], cache.past_len,
-                            chain_mask(1, S).to(dev), num_logits, cache)
+                            chain_mask(1, S, dev), num_logits, cache)
 
     def time_pass(self, context: int, k: int, reps: int = 3) -> float:
         """Best-of-`reps` seconds of one pass over k tokens after `context` cached positions."""
@@ -160,7 +160,7 @@ class OrtEngine:
         dev = self.device
         ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
         pos = (cache.past_len[:, None] + torch.arange(k, device=dev)).contiguous()
-        mask = chain_mask(1, k).to(dev)
+        mask = chain_mask(1, k, dev)
         return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache), reps)
 
 

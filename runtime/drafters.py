@@ -186,7 +186,7 @@ class MedusaDrafter:
         return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool, device=dev), tree)
 
 
-def _levels(tree: Tree, num_heads: int, device="cpu") -> list[tuple[torch.Tensor, ...]]:
+def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:
     """Per depth d: the paths (P, K) of the nodes at depth d that have children (node ids from the root, padded
     with the root: the heads ignore slots past their depth), and for the nodes at depth d + 1 their ids, the
     index of their parent among those P, and their rank."""
@@ -197,7 +197,7 @@ def _levels(tree: Tree, num_heads: int, device="cpu") -> list[tuple[torch.Tensor
     for d in range(tree.max_depth):
         children = [i for i in range(1, tree.size) if int(tree.depth[i]) == d + 1]
         parents = sorted({tree.parent[i] for i in children})
-        paths = torch.tensor([ancestry[p] + [0] * (num_heads - len(ancestry[p])) for p in parents], device=device)
-        slot = torch.tensor([parents.index(tree.parent[i]) for i in children], device=device)
-        levels.append((paths, torch.tensor(children, device=device), slot, tree.rank[children].to(device)))
+        paths = torch.tensor([ancestry[p] + [0] * (num_heads - len(ancestry[p])) for p in parents], device="cpu")
+        slot = torch.tensor([parents.index(tree.parent[i]) for i in children], device="cpu")
+        levels.append((paths, torch.tensor(children, device="cpu"), slot, tree.rank[children]))
     return levels

@@ -272,7 +272,7 @@ class Generator:
             run.cache = self.target.new_cache(B, run.cache_len)
             run.cache.broadcast_row(one)
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._commit(run, Proposal.empty(B, dev), zero, first.to(dev), zero[:, None], first[:, None].to(dev))
+        self._commit(run, Proposal.empty(B, dev), zero, first, zero[:, None], first[:, None])
 
     def _room(self, run: _Run) -> int:
         """Tokens that every live row can still add to its cache beyond the pending one."""
@@ -292,7 +292,7 @@ class Generator:
         # the round's inputs from the host mirrors: numpy is cheaper than device ops on a few values
         past = np.minimum(run.host_lengths - 1, run.max_len - 1 - g)                      # (B,)
         last = run.host_tokens[np.arange(B), run.host_lengths - 1][:, None]              # (B, 1)
-        cache.past_len.copy_(torch.from_numpy(past))
+        cache.truncate(torch.from_numpy(past))
         ids = torch.from_numpy(last).to(dev)
         if g:
             ids = torch.cat([ids, proposal.tokens], 1)                                  # (B, S)
