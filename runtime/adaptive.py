@@ -81,3 +81,56 @@ class GammaPolicy:
             self.idle = 0
         self.chosen.append(best)
         return best
+
+
+@dataclass
+class TreePolicy:
+    """A tree round or a plain step, whichever gives more tokens per second as measured in this loop: wall time of
+    whole rounds (drafter, target pass and host work) and tokens per row, as running means that forget at
+    `decay` per round (a few dozen rounds: a tree's tokens per round vary too much from round to round for a
+    shorter memory), so that the choice follows the text. The first `warmup` rounds grow trees, then one plain
+    step is timed. Trees stop when their rate falls below `margin` times the plain rate (a near tie keeps
+    speculating: the rates are noisy); while plain steps win, every `probe_every`-th round still grows a tree to
+    keep the tree's figures current. A round's first pass of a new shape pays one-time costs: the first tree
+    round is not timed."""
+    warmup: int = 3
+    probe_every: int = 8
+    decay: float = 0.97
+    margin: float = 0.95
+    tree_rounds: int = 0
+    plain_rounds: int = 0
+    idle: int = 0
+    sums: dict = field(default_factory=lambda: {"tokens": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]})
+
+    def mean(self, name: str) -> float:
+        """The decayed mean (Σ decay^age · x) / (Σ decay^age): no bias toward the first rounds."""
+        total, weight = self.sums[name]
+        return total / weight
+
+    def _add(self, name: str, x: float) -> None:
+        total, weight = self.sums[name]
+        self.sums[name] = [self.decay * total + x, self.decay * weight + 1.0]
+
+    def choose(self) -> bool:
+        """True: grow a tree this round; False: a plain step."""
+        if self.tree_rounds <= max(1, self.warmup):
+            return True
+        if self.plain_rounds == 0:
+            return False
+        gain = self.mean("tokens") / self.mean("tree") * self.mean("plain")      # tree rate / plain rate
+        if gain >= (self.margin if self.idle == 0 else 1.0):
+            self.idle = 0
+            return True
+        self.idle += 1
+        return self.idle % self.probe_every == 0
+
+    def update(self, tree: bool, tokens: float, seconds: float) -> None:
+        """A finished round: tokens per live row (accepted drafts + 1) and its wall time."""
+        if tree:
+            if self.tree_rounds:
+                self._add("tokens", tokens)
+                self._add("tree", seconds)
+            self.tree_rounds += 1
+        else:
+            self._add("plain", seconds)
+            self.plain_rounds += 1

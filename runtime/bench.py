@@ -139,7 +139,8 @@ def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: in
             "rounds": s["rounds"], "alpha": s["acceptance_rate"],
             "mean_tokens_per_round": s["mean_tokens_per_round"],
             "acceptance_per_position": s["acceptance_per_position"], "gamma": s["gamma"],
-            "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"], "tree_size": s.get("tree_size")}
+            "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"], "tree_size": s.get("tree_size"),
+            "plain_rounds": s.get("plain_rounds")}
 
 
 PEERS = {  # name -> extra generate() keyword arguments (assistant filled in at run time)

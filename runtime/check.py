@@ -38,7 +38,8 @@ def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int
     rows = []
     for ids in prompts:
         ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
-        out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method=method, **kw).token_ids[0]
+        out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method=method, adaptive=False,
+                           **kw).token_ids[0]
         diverge = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
         row = {"prompt_tokens": len(ids), "tokens": len(ref), "identical": out == ref, "ok": out == ref}
         if diverge is not None:
@@ -61,7 +62,7 @@ def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, sam
         seed = None if params.seed is None else params.seed + start
         out = gen.generate(prompt_ids=ids, max_new_tokens=depth, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed, num_return_sequences=n,
-                           method=method, **kw)
+                           method=method, adaptive=False, **kw)
         seqs += [tuple(t) for t in out.token_ids if len(t) == depth]
     tests = []
     for d in range(1, depth):  # position 0 comes from the prefill, not from a drafter

@@ -100,6 +100,9 @@ def sampling_options(f):
         click.option("--tree-choices", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="JSON list of tree paths for medusa / draft --tree (default: calibrated or built-in)."),
         click.option("--gamma", default=None, type=int, help="Fixed speculation length (default: adaptive)."),
+        click.option("--adaptive/--no-adaptive", default=True, show_default=True,
+                     help="Each round chooses: chains their length, trees a tree or a plain target step, by the "
+                          "measured acceptance and costs. --no-adaptive speculates every round."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
     ]):
@@ -115,7 +118,7 @@ def sampling_options(f):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, device, threads):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
     """Generate from ENGINES."""
     from specrt.generate import Generator
     try:
@@ -123,7 +126,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
         out = gen.generate(prompt, _parse_ids(prompt_ids), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                            num_return_sequences=num_return_sequences, method=method, gamma=gamma,
-                           tree=tree, tree_choices=tree_choices)
+                           tree=tree, tree_choices=tree_choices, adaptive=adaptive)
     except SpecrtError as e:
         _fail(e)
     if as_json:

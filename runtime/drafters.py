@@ -1,7 +1,9 @@
 """Drafters propose tokens for the target to verify. A chain is a tree with one child per node.
 
-propose(run, gamma) -> Proposal: tokens (B, γ), draft probabilities Q (B, γ, V) or None when the proposal is
-deterministic (greedy drafting, n-gram lookup), and `valid` (B, γ) for rows that propose fewer than γ.
+A drafter has three calls: start(run) after the prefill; propose(run, gamma) -> Proposal: tokens (B, γ), draft
+probabilities Q (B, γ, V) or None when the proposal is deterministic (greedy drafting, n-gram lookup), and
+`valid` (B, γ) for rows that propose fewer than γ; observe(run) after every round, proposed in or not (the
+target's pass has just run: `run.path_hidden`, `run.path_start`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ def _empty_proposal(batch: int, device: torch.device) -> Proposal:
     """No drafts (a plain target step); made once per batch size and device (read only)."""
     return Proposal(torch.zeros(batch, 0, dtype=torch.int64, device=device), None,
                     torch.zeros(batch, 0, dtype=torch.bool, device=device))
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 on a device, made once (read only)."""
+    return torch.arange(n, device=device)
 
 
 def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
@@ -74,6 +82,9 @@ class DraftModelDrafter:
         if run.batch > 1:
             self.cache = self.engine.new_cache(run.batch, run.cache_len)
             self.cache.broadcast_row(one)
+
+    def observe(self, run) -> None:
+        pass
 
     def propose(self, run, gamma: int) -> Proposal:
         B, smax, dev = run.batch, run.max_len, run.device
@@ -123,6 +134,9 @@ class NgramDrafter:
     def start(self, run) -> None:
         pass
 
+    def observe(self, run) -> None:
+        pass
+
     def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)        # (len-n, n)
@@ -163,6 +177,9 @@ class MedusaDrafter:
         self.levels = _levels(tree, heads.num_heads) if heads.sequential else None
 
     def start(self, run) -> None:
+        pass
+
+    def observe(self, run) -> None:
         pass
 
     def propose(self, run, gamma: int) -> Proposal:

@@ -1,10 +1,11 @@
 """The EAGLE drafter (see specrt.export.eagle) and its dynamic trees (EAGLE-2).
 
 Cache invariant: before a round the drafter's cache holds slots 0 .. n−2 of a row of n tokens, where slot t
-was fed the target's feature at position t and token t + 1. The target's features come from its passes: the
-prompt's from the prefill (`run.prompt_hidden`), then those of each round's accepted path (`run.path_hidden`,
-root first), so a round first feeds the slots its cache lacks (catch-up: the accepted count + 1 per row) and
-reads the distribution of the first tree level from the last of them.
+was fed the target's feature at position t and token t + 1. The target's features are kept by position in a
+per-request history: the prompt's from the prefill (`run.prompt_hidden`), then after every round those of the
+accepted path (`run.path_hidden` from `run.path_start`, root first), plain steps included, so a round first
+feeds the slots its cache lacks (catch-up: one pass over the accepted count + 1 per row, more after plain
+steps) and reads the distribution of the first tree level from the last of them.
 
 The tree grows from there: a frontier of the `top_k` nodes with the best cumulative draft log-probability per
 depth, each expanded to its `top_k` most probable children, for `depth` levels; the `nodes` best of every
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specrt.drafters import Proposal, chain_mask
+from specrt.drafters import Proposal, _arange, chain_mask
 from specrt.errors import InputError
 from specrt.sampling import top_k_ids
 from specrt.tree import Tree
@@ -60,19 +61,21 @@ class EagleDrafter:
         self.tree = shape.envelope
 
     def start(self, run) -> None:
-        B = run.batch
+        B, m = run.batch, run.prompt_len
         self.cache = self.engine.new_cache(B, run.cache_len)
-        self.source = (run.prompt_hidden.expand(B, -1, -1), torch.zeros(B, dtype=torch.int64, device=run.device))
-        self.next_round, self.root = run.rounds, None
+        hidden = run.prompt_hidden
+        self.history = torch.zeros(B, run.cache_len, hidden.shape[-1], dtype=hidden.dtype, device=run.device)
+        self.history[:, :m] = hidden
+
+    def observe(self, run) -> None:
+        """The target's features along the round's path go to their positions (past the accepted ones: scratch
+        that a later round overwrites before any catch-up reads it)."""
+        feats = run.path_hidden                                                     # (B, D+1, d)
+        slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
+        self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
 
     def propose(self, run, gamma: int) -> Proposal:
-        if self.source is None:
-            # in step with the loop, the last verify's root was each row's last token then; after rounds this
-            # drafter sat out (plain steps, one token each) only the last one's feature is known: it stands in
-            root = self.root if run.rounds == self.next_round else run.lengths - 2
-            self.source = (run.path_hidden, root)
         logits, feature = self._catch_up(run)
-        self.source, self.root, self.next_round = None, run.lengths - 1, run.rounds + 1
         tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
         return Proposal(tokens, None, torch.ones_like(tokens, dtype=torch.bool), tree)
 
@@ -80,20 +83,17 @@ class EagleDrafter:
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
         logits (B, V) and the predicted feature there (B, d)."""
         B, cache, dev = run.batch, self.cache, run.device
-        feats, root = self.source                                                   # (B, F, d), (B,)
         count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
         S = max(1, int(count.max()))
-        slots = cache.past_len[:, None] + torch.arange(S, device=dev)               # (B, S)
-        index = (slots - root[:, None]).clamp(0, feats.shape[1] - 1)
-        x = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))       # (B, S, d)
+        slots = (cache.past_len[:, None] + _arange(S, dev)).clamp(max=run.cache_len - 1)   # (B, S)
+        x = self.history.gather(1, slots[..., None].expand(-1, -1, self.history.shape[-1]))  # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
         num = S - int(last.min())
-        out = self.timer(self.engine, cache, ids, slots.clamp(max=run.max_len - 1), chain_mask(B, S, dev), num,
-                         features=x)
+        out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, features=x)
         cache.write(out.new_kv)
         cache.past_len += count
-        rows = torch.arange(B, device=dev)
+        rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
     def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, torch.Tensor]:
@@ -181,7 +181,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     try:
         for shape in shapes:
             draft.spec["dynamic_tree"] = asdict(shape)
-            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle").stats for p in prompts]
+            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle", adaptive=False).stats for p in prompts]
             rounds = sum(s["rounds"] for s in outs)
             per_round = sum(s["tokens"] - 1 for s in outs) / max(1, rounds)
             loop = sum(s["loop_time_s"] for s in outs) / max(1, rounds)

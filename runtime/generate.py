@@ -1,7 +1,6 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -11,9 +10,9 @@ import numpy as np
 import torch
 
 from specrt import verification
-from specrt.adaptive import Costs, GammaPolicy
+from specrt.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.backends import OrtHeads, engine_class, pick_device
-from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, chain_mask
+from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, _arange, chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
@@ -52,6 +51,7 @@ class _Run:
     cache: object = None            # the target's KVCache
     hidden: torch.Tensor | None = None       # (B, d) target hidden state at each row's last accepted position
     path_hidden: torch.Tensor | None = None  # (B, D+1, d) target hidden states along the last accepted path
+    path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
     prompt_hidden: torch.Tensor | None = None  # (1, m, d) the prompt's, from the prefill (valid until the next pass)
     rounds: int = 0
     proposed: int = 0
@@ -69,12 +69,6 @@ class _Run:
     def last_tokens(self) -> torch.Tensor:
         """(B,) each row's last committed token."""
         return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
-
-
-@functools.lru_cache(maxsize=64)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """0..n-1 on a device, made once (read only)."""
-    return torch.arange(n, device=device)
 
 
 class Generator:
@@ -145,21 +139,24 @@ class Generator:
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, num_return_sequences: int = 1, method: str = "autoregressive",
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
-                 tree: bool = False, tree_choices: str | Path | Tree | None = None) -> Generation:
+                 tree: bool = False, tree_choices: str | Path | Tree | None = None,
+                 adaptive: bool = True) -> Generation:
         """`tree=True` makes the draft model propose a tree (top-k branching along its chain); `medusa`
         always verifies a tree: `tree_choices` (a Tree or a JSON file of paths), else the engine set's
-        calibrated tree, else the built-in default."""
+        calibrated tree, else the built-in default. `adaptive` (the default) lets each round choose: chains
+        their length γ (unless `gamma` fixes it), trees a tree or a plain step, whichever the measured
+        acceptance and costs say is faster; `adaptive=False` speculates in every round that has room."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the loop's tensors are small: a thread pool only adds latency
         try:
             return self._generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                                   num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree,
-                                  tree_choices)
+                                  tree_choices, adaptive)
         finally:
             torch.set_num_threads(threads)
 
     def _generate(self, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, num_return_sequences,
-                  method, gamma, ngram_max, ngram_min, chat, tree, tree_choices) -> Generation:
+                  method, gamma, ngram_max, ngram_min, chat, tree, tree_choices, adaptive) -> Generation:
         params = SamplingParams(temperature, top_k, top_p, seed)
         self._check_request(method, gamma, max_new_tokens, num_return_sequences)
         run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
@@ -168,7 +165,9 @@ class Generator:
         tree = getattr(drafter, "tree", None)
         run.cache_len = min(run.max_len, run.prompt_len + max_new_tokens + 1 +
                             (tree.size if tree is not None else (gamma or MAX_GAMMA) + 1))
-        policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and gamma is None and tree is None else None
+        policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and adaptive and gamma is None and tree is None \
+            else None
+        trees = TreePolicy() if tree is not None and adaptive else None
 
         self.engine_time = 0.0
         started = time.perf_counter()
@@ -177,16 +176,21 @@ class Generator:
         if drafter is not None:
             drafter.start(run)
         while run.active.any():
+            began, live = time.perf_counter(), int(run.active.sum())
             if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
-                g = tree.max_depth if self._room(run) >= tree.size - 1 else 0
+                g = tree.max_depth if self._room(run) >= tree.size - 1 and (trees is None or trees.choose()) else 0
             else:
                 g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
-            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch)
+            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
             accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
+            if drafter is not None:
+                drafter.observe(run)
             if policy:
                 policy.update(accepted, proposed)
+            if trees:
+                trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
         wall = time.perf_counter() - started
-        return self._result(run, method, wall, prefill_time, policy, gamma, tree)
+        return self._result(run, method, wall, prefill_time, policy, gamma, tree, trees)
 
     def _check_request(self, method: str, gamma, max_new_tokens: int, num_return_sequences: int) -> None:
         if method not in METHODS:
@@ -318,6 +322,7 @@ class Generator:
         # are read by the next proposal, before the target's next pass)
         d = out.hidden.shape[-1]
         run.path_hidden = out.hidden if tree is None else out.hidden.gather(1, path[..., None].expand(-1, -1, d))
+        run.path_start = cache.past_len
         run.hidden = run.path_hidden[:, 0] if g == 0 else \
             run.path_hidden.gather(1, n[:, None, None].expand(-1, 1, d))[:, 0]            # (B, d) for Medusa
         return n, nxt, path, ids
@@ -373,7 +378,7 @@ class Generator:
         run.proposed += proposed
         return accepted, proposed
 
-    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma, tree) -> Generation:
+    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma, tree, trees) -> Generation:
         new = [run.host_tokens[b, run.prompt_len:run.host_lengths[b]].tolist() for b in range(run.batch)]
         total = sum(map(len, new))
         rounds = run.rounds - 1  # the prefill emits the first token, it is not a speculation round
@@ -395,6 +400,8 @@ class Generator:
         if tree is not None:
             stats.update(tree_size=tree.size - 1, tree_depth=tree.max_depth, gamma=tree.max_depth,
                          mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
+        if trees is not None:
+            stats.update(tree_rounds=trees.tree_rounds, plain_rounds=trees.plain_rounds)
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
             stats["plain_rounds"] = policy.chosen.count(0)

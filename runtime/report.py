@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specrt.adaptive import Costs, expected_tokens
 
-COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree"]
+COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree", "plain"]
 
 
 def _mean(xs):
@@ -46,6 +46,7 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
             if chain and speculative and alpha is not None and gamma else None,
             "tree_size": _mean([r.get("tree_size") for r in rs]),
             "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
+            "plain_share": _plain_share(rs),
             "acceptance_per_position": _mean_positions([r.get("acceptance_per_position") or [] for r in rs]),
         })
     base = {r["temperature"]: r["tokens_per_s"] for r in rows
@@ -53,6 +54,12 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["temperature"]] if r["temperature"] in base else None
     return rows
+
+
+def _plain_share(runs: list[dict]) -> float | None:
+    """The share of rounds that were plain target steps (the adaptive policies' fallback)."""
+    known = [r for r in runs if r.get("plain_rounds") is not None and r.get("rounds")]
+    return sum(r["plain_rounds"] for r in known) / sum(r["rounds"] for r in known) if known else None
 
 
 def summarize_sweep(sweep: list[dict], costs: Costs) -> list[dict]:
@@ -98,7 +105,8 @@ def table_rows(summary: list[dict]) -> list[list[str]]:
                                           and r["method"] != "autoregressive", r["method"]))
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
              _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
-             _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f")] for r in rows]
+             _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%")]
+            for r in rows]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -132,7 +140,9 @@ def report_markdown(results: dict) -> str:
         "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
         "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "
         "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
-        "(medusa, draft-tree; α there is accepted length / tree depth). transformers rows: `generate` (greedy or "
+        "(medusa, draft-tree, eagle; α there is accepted length / tree depth). Plain: the share of rounds taken as "
+        "plain target steps, where the measured acceptance did not pay for speculating (γ = 0 for chains, no tree for "
+        "tree methods). transformers rows: `generate` (greedy or "
         "sampling, top-k/top-p off), assisted "
         f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
         "## Memory-bandwidth floor", "",

@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
+from specrt.adaptive import TreePolicy
 from specrt.drafters import chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError
@@ -78,23 +79,28 @@ def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     for seed in range(3):
         prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]  # runs into max_seq_len
-        out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="eagle")
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="eagle", adaptive=False)
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
         assert out.stats["tree_size"] == shape["nodes"] and out.stats["tree_depth"] == shape["depth"]
         accepted += out.stats["acceptance_rate"] * out.stats["rounds"]
     assert accepted > 0 or shape["top_k"] == 1   # accepted paths (and their cache compaction) ran
 
 
-def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch):
+@pytest.mark.parametrize("plain_every", [0, 2, 3], ids=["trees", "plain-every-2", "plain-every-3"])
+def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, plain_every):
     """The cache invariant: slot t holds what the drafter computes from the target's feature at position t
-    and token t + 1 (checked against the eager drafter over the target's features of the final sequence)."""
+    and token t + 1 (checked against the eager drafter over the target's features of the final sequence),
+    also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds."""
     gen, model, tmp = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
-    seen = []
+    seen, rounds = [], iter(range(1000))
     start = EagleDrafter.start
     monkeypatch.setattr(EagleDrafter, "start", lambda self, run: (seen.append(self), start(self, run))[1])
+    if plain_every:
+        monkeypatch.setattr(TreePolicy, "choose", lambda self: next(rounds) % plain_every == 0)
     prompt = [3, 9, 1, 4, 1]
-    out = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="eagle")
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="eagle", adaptive=bool(plain_every))
+    assert out.stats.get("plain_rounds", 0) >= (3 if plain_every else 0)
     drafter, tokens = seen[0], torch.tensor([prompt + out.token_ids[0]])
     P = int(drafter.cache.past_len[0])
     assert out.stats["rounds"] >= 2 and P >= len(prompt) + out.stats["rounds"] - 1

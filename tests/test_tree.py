@@ -11,6 +11,7 @@ import torch
 from conftest import export_tiny, export_tiny_with_heads, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
+from specrt.adaptive import TreePolicy
 from specrt.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
 from specrt.drafters import MedusaDrafter
 from specrt.errors import InputError
@@ -128,9 +129,37 @@ def test_tree_greedy_equals_target_greedy(medusa_set, tmp_path, kw):
     for seed in range(3):
         prompt = torch.randint(0, V, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
-        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, **kw)
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, adaptive=False, **kw)
         assert out.stats["tree_size"] >= 1
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+
+
+@pytest.mark.parametrize("kw", [dict(method="medusa"), dict(method="draft", tree=True)], ids=str)
+def test_plain_steps_between_tree_rounds_keep_greedy_output(medusa_set, monkeypatch, kw):
+    """The tree policy's fallback: plain steps (on a fixed pattern here) between tree rounds change nothing."""
+    gen, model = medusa_set
+    rounds = iter(range(1000))
+    monkeypatch.setattr(TreePolicy, "choose", lambda self: next(rounds) % 3 == 1)
+    prompt = [4, 1, 4, 1, 4]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=30, **kw)
+    assert out.stats["plain_rounds"] >= 2 * out.stats["tree_rounds"] - 1 and out.stats["tree_rounds"] >= 3
+    assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+
+
+def test_tree_policy_falls_back_when_trees_do_not_pay_and_keeps_probing():
+    policy = TreePolicy(warmup=3, probe_every=8)
+    picks = []
+    for _ in range(24):
+        tree = policy.choose()
+        picks.append(tree)
+        # a tree round: 1.2 tokens in 2 ms; a plain step: 1 token in 1 ms
+        policy.update(tree, 1.2 if tree else 1.0, 0.002 if tree else 0.001)
+    assert picks[:4] == [True] * 4 and picks[4] is False          # warm-up trees, then one timed plain step
+    assert picks[5:].count(True) == 2 and picks[12] and picks[20]  # then plain, a probe every 8th round
+    for _ in range(30):                                            # the text turns predictable: 3 tokens a tree
+        policy.update(True, 3.0, 0.002)
+    assert policy.choose()
 
 
 def test_automatic_tree_is_saved_and_used(medusa_set):
