@@ -57,9 +57,10 @@ gpu-check: | $(STAMP)
 DISTILL := build/distill
 TRAIN   := $(PY) -m specrt.export.train
 
-# Self-distillation data (export/train/data.py): the target answers the Self-Instruct seed tasks and the project's
-# own prompts, in bf16 batches of 128 answers, keeping its top-16 logits as labels. Never the MT-Bench dev set.
-# Every step resumes where it stopped; the call counts fix how much data there is (about 70 min on 2 cores).
+# Self-distillation data (export/train/data.py): the target answers the Self-Instruct seed tasks, the project's
+# own prompts and requests it writes itself, in bf16 batches of 128 answers, keeping its top-16 logits as labels.
+# Never the MT-Bench dev set. Every step resumes where it stopped; the call counts fix how much data there is
+# (about 80 min on 2 cores).
 GEN := $(TRAIN).data --out $(DISTILL)/data.jsonl --batched 128 --max-new-tokens 160 --num-template 600 --max-minutes 600
 train-data: | $(STAMP)
 	$(GEN) --samples 0 --max-calls 7
@@ -67,6 +68,7 @@ train-data: | $(STAMP)
 	$(GEN) --samples 4 --no-greedy --max-calls 18
 	$(GEN) --num-varied 1600 --samples 0 --max-calls 31
 	$(GEN) --num-varied 3200 --samples 0 --max-calls 44
+	$(GEN) --num-varied 3200 --num-self 1024 --samples 0 --max-calls 52
 
 train-draft: train-data
 	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \

@@ -52,3 +52,19 @@ def test_batched_rows_carry_the_targets_labels(tmp_path):
         assert grown["root"][mine].tolist() == fresh["root"][ref].tolist() == answer
         assert grown["labels"][mine, 0].tolist() == answer[1:] + [-100]
         assert torch.nn.functional.cosine_similarity(grown["hidden"][mine], fresh["hidden"][ref]).min() > 0.99
+
+
+@pytest.mark.slow
+def test_self_written_requests_are_kept_and_join_the_prompts(tmp_path):
+    """Source "self": the target writes requests from the starters (kept in a file, so a rerun reuses them), and
+    they join the prompts the batched generator answers, interleaved with the other sources."""
+    from specrt.export.train.data import STARTERS, all_prompts, self_prompts
+    out = tmp_path / "data.jsonl"
+    written = self_prompts(out, 6, seed=0, batch=6, max_new_tokens=48)
+    kept = (tmp_path / "self_prompts.jsonl").read_text()
+    assert [json.loads(x)["prompt_id"] for x in kept.splitlines()] == [f"self_{i}" for i in range(6)]
+    starters = [s for kind in STARTERS.values() for s in kind]
+    assert written and all(any(r["prompt"].startswith(s) for s in starters) for r in written)
+    assert self_prompts(out, 6, seed=0) == written and (tmp_path / "self_prompts.jsonl").read_text() == kept
+    prompts = all_prompts(num_template=0, seed=0, self_written=written)     # what generate_batched answers
+    assert [p for p in prompts if p["source"] == "self"] == written and prompts.index(written[0]) < 4

@@ -5,6 +5,9 @@ Prompts come from three places, each row records which:
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
   varied     longer, more varied requests composed by `prompts.py` (writing, role play, reasoning, math, code,
              extraction, science, humanities; constraints and follow-ups), seeded
+  self       requests the target writes itself (--num-self): given its chat template's user-turn prefix and the
+             first word or two of a request (writing, QA, translation, summarisation, maths, code, extraction,
+             role play, advice), it samples the rest of the request; kept in `<out dir>/self_prompts.jsonl`
 The MT-Bench prompts are the benchmark set and are never used here.
 
 Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7, the
@@ -127,10 +130,68 @@ def template_prompts(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def all_prompts(num_template: int, seed: int, num_varied: int = 0) -> list[dict]:
-    """Seed tasks, templated and varied prompts interleaved, so a run cut short by its time budget sees all."""
+# how a self-written request begins: the target writes the rest (source "self")
+STARTERS = {
+    "writing": ["Write", "Compose", "Draft", "Write a short story about", "Write a poem about"],
+    "qa": ["What is", "Why do", "How does", "Who was", "What are the main differences between"],
+    "translation": ["Translate the following sentence into French:", "Translate into Spanish:",
+                    "Translate this text into German:", "How do you say"],
+    "summarisation": ["Summarize the following text:", "Give a short summary of", "Summarize this article:"],
+    "maths": ["Solve", "Calculate", "A store sells", "If a train travels", "What is the probability that"],
+    "code": ["Write a Python function", "Write a SQL query", "Explain what this code does:", "Fix the bug in",
+             "Write a JavaScript function"],
+    "extraction": ["Extract", "From the text below, list", "Identify the names and dates in"],
+    "role play": ["Imagine you are", "Pretend to be", "Act as"],
+    "advice": ["Give me tips on", "How can I", "What should I consider when"],
+}
+
+
+def self_prompts(out: Path, n: int, seed: int, batch: int = 128, max_new_tokens: int = 96) -> list[dict]:
+    """`n` requests the target writes itself (sampled at T = 0.8, top-p 0.95, from a starter of each kind in turn),
+    written to `self_prompts.jsonl` beside `out` and read from there on later calls (resumable). A request that
+    does not end within `max_new_tokens` or has fewer than four words is dropped (its slot stays empty)."""
+    path = out.parent / "self_prompts.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if len(rows) >= n or not n:
+        return [r for r in rows if r["prompt"] is not None][:n]
+    src = _bf16_target()
+    tok, eos = src.tokenizer, set(src.eos_token_ids)
+    marker = "\x00"
+    prefix = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False).split(marker)[0]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else src.eos_token_ids[0]
+    kinds = [(kind, s) for kind, starters in STARTERS.items() for s in starters]
+    rng = random.Random(f"self-{seed}")
+    with path.open("a") as f:
+        while len(rows) < n:
+            chunk = [(len(rows) + j, *kinds[(len(rows) + j) % len(kinds)]) for j in range(min(batch, n - len(rows)))]
+            ids = [_ids(tok(prefix + starter, add_special_tokens=False)["input_ids"]) for _, _, starter in chunk]
+            width = max(map(len, ids))
+            torch.manual_seed(rng.randrange(1 << 31))
+            with torch.no_grad():
+                seqs = src.model.generate(
+                    input_ids=torch.tensor([[pad] * (width - len(x)) + x for x in ids]),
+                    attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
+                    max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_p=0.95, top_k=0,
+                    pad_token_id=pad, eos_token_id=sorted(eos))[:, width:].tolist()
+            new = []
+            for (i, kind, starter), seq in zip(chunk, seqs):
+                end = next((j for j, t in enumerate(seq) if t in eos), None)
+                text = (starter + tok.decode(seq[:end])).strip() if end is not None else None
+                if text is not None and len(text.split()) < 4:
+                    text = None
+                new.append({"prompt_id": f"self_{i}", "source": "self", "kind": kind, "prompt": text})
+            f.writelines(json.dumps(r) + "\n" for r in new)
+            f.flush()
+            rows += new
+    return [r for r in rows if r["prompt"] is not None]
+
+
+def all_prompts(num_template: int, seed: int, num_varied: int = 0, self_written: list[dict] = ()) -> list[dict]:
+    """Seed tasks, templated, varied and self-written prompts interleaved, so a run cut short by its time budget
+    sees all."""
     from specrt.export.train.prompts import varied_prompts
-    sources = seed_prompts(), template_prompts(num_template, seed), varied_prompts(num_varied, seed)
+    sources = (seed_prompts(), template_prompts(num_template, seed), varied_prompts(num_varied, seed),
+               list(self_written))
     rows = []
     for i in range(max(map(len, sources))):
         rows += [r[i] for r in sources if i < len(r)]
@@ -183,7 +244,7 @@ def _bf16_target():
 
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
                      num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
-                     max_calls: int = 0, num_varied: int = 0) -> None:
+                     max_calls: int = 0, num_varied: int = 0, num_self: int = 0) -> None:
     """The same rows as `generate`, produced by the target's transformers model in bfloat16, `batch` answers
     per call (greedy: `batch` prompts; sampled: batch // samples prompts x `samples` answers). On a CPU with
     bf16 matrix units this is about ten times the tokens per second of B=1 decoding. The target's top-k logits
@@ -203,7 +264,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
         if int(stale.stem) >= len(lines):
             stale.unlink()
     done = {(r["prompt_id"], r["mode"]) for r in map(json.loads, lines)}
-    prompts = all_prompts(num_template, seed, num_varied)
+    prompts = all_prompts(num_template, seed, num_varied, self_prompts(out, num_self, seed, batch))
     encoded = {p["prompt_id"]: _ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
                                                               add_generation_prompt=True, tokenize=True))
                for p in prompts}
@@ -304,6 +365,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-minutes", type=float, default=22.0)
     ap.add_argument("--num-template", type=int, default=400)
     ap.add_argument("--num-varied", type=int, default=0, help="prompts from prompts.py (source 'varied')")
+    ap.add_argument("--num-self", type=int, default=0,
+                    help="with --batched: requests the target writes itself (source 'self'), then answers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                     help="also answer each prompt greedily (one row, B=1: slow on a CPU; the sampled rows share "
@@ -324,7 +387,7 @@ def main(argv=None) -> None:
         return
     if a.batched:
         generate_batched(a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
-                         a.batched, a.greedy, max_calls=a.max_calls, num_varied=a.num_varied)
+                         a.batched, a.greedy, max_calls=a.max_calls, num_varied=a.num_varied, num_self=a.num_self)
         return
     generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
              a.greedy, a.num_varied)
