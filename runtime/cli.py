@@ -58,17 +58,23 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
               help="Weights of the draft model's and Medusa heads' ONNX Runtime engines. int8 reads a quarter of "
                    "the bytes per draft step; outputs do not change, since the float32 target verifies every "
                    "token.")
+@click.option("--target-weights", type=click.Choice(["float32", "int8", "int4"]), default="float32",
+              show_default=True,
+              help="Weights of the target's ONNX Runtime CPU engine. int4: 4-bit blocks (a GGUF source keeps its "
+                   "own Q4_0/Q4_1/Q8_0 blocks); int8: per-channel dynamic quantization. Speculation stays lossless "
+                   "with respect to the engine built: the output is the quantized target's own.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cuda: ONNX Runtime engines for the CUDA provider, with a static-shape target graph per "
                    "verification width (CUDA graphs). Builds on any machine; runs where onnxruntime-gpu is.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weights and compute of CUDA engines (default float16; float32 on the CPU, the only choice "
                    "there). Logits stay float32.")
-def build(engines, backend, drafter_weights, device, dtype):
+def build(engines, backend, drafter_weights, target_weights, device, dtype):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
-        do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype)
+        do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype,
+                 target_weights=target_weights)
     except SpecrtError as e:
         _fail(e)
 
@@ -116,17 +122,32 @@ def sampling_options(f):
 @click.option("--prompt-ids", default=None, help="Token ids, comma-separated (for engines without a tokenizer).")
 @click.option("--num-return-sequences", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
-def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new_tokens, temperature, top_k,
+def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
              top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
     """Generate from ENGINES."""
     from specrt.generate import Generator
+    if stream and (as_json or num_return_sequences > 1):
+        raise click.UsageError("--stream prints one sequence as text: drop --json and --num-return-sequences")
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
+                   tree_choices=tree_choices, adaptive=adaptive)
     try:
         gen = Generator.from_engines(engines, device=device, threads=threads)
-        out = gen.generate(prompt, _parse_ids(prompt_ids), max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           num_return_sequences=num_return_sequences, method=method, gamma=gamma,
-                           tree=tree, tree_choices=tree_choices, adaptive=adaptive)
+        if stream:
+            printed = 0
+            for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes
+                if chunk.text is not None:
+                    click.echo(chunk.text, nl=False)
+                elif chunk.token_ids:
+                    click.echo("," * bool(printed) + ",".join(map(str, chunk.token_ids)), nl=False)
+                printed += len(chunk.token_ids)
+                stats = chunk.stats
+            click.echo()
+            _summary(stats, method)
+            return
+        out = gen.generate(prompt, _parse_ids(prompt_ids), **options)
     except SpecrtError as e:
         _fail(e)
     if as_json:
@@ -137,7 +158,10 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, max_new
         if num_return_sequences > 1:
             click.echo(f"--- sequence {i + 1}")
         click.echo(out.text[i] if out.text else ",".join(map(str, ids)))
-    s = out.stats
+    _summary(out.stats, method)
+
+
+def _summary(s: dict, method: str) -> None:
     line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {method}"
     if s["acceptance_rate"] is not None:
         line += f", acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_round']:.2f} tokens/round"
@@ -203,6 +227,34 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
         _fail(e)
     click.echo("PASS" if report.passed else "FAIL")
     sys.exit(0 if report.passed else 1)
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.argument("other", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts (MT-Bench).")
+@click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+def compare(engines, other, num_prompts, max_new_tokens, device):
+    """Greedy output of the targets of ENGINES and OTHER (e.g. int4 and float32 builds of one export): how
+    many tokens agree, and at the first difference both targets' logit gaps between the two tokens."""
+    from specrt.bench import load_prompts
+    from specrt.check import compare_engines
+    from specrt.generate import Generator
+    try:
+        gen, ref = Generator.from_engines(engines, device=device), Generator.from_engines(other, device=device)
+        prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)] if gen.tokenizer is not None \
+            else [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(num_prompts)]
+        rows = compare_engines(gen, ref, prompts, max_new_tokens)
+    except SpecrtError as e:
+        _fail(e)
+    for i, row in enumerate(rows):
+        detail = "identical" if row["identical"] else (
+            f"first difference at token {row['diverged_at']}: logit gap {row.get('logit_gap', float('nan')):.3f} "
+            f"in {engines}, {row.get('other_logit_gap', float('nan')):.3f} in {other}")
+        click.echo(f"prompt {i + 1}: {row['tokens']} tokens, {detail}")
+    same = sum(r["diverged_at"] if r["diverged_at"] is not None else r["tokens"] for r in rows)
+    click.echo(f"agreement: {same} of {sum(r['tokens'] for r in rows)} tokens before the first difference")
 
 
 @main.command("tune-tree")

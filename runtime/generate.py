@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,14 @@ class Generation:
     token_ids: list[list[int]]      # new tokens, one list per returned sequence
     text: list[str] | None          # decoded, when the engine set has a tokenizer
     stats: dict
+
+
+@dataclass
+class Chunk:
+    """What one round of a streamed generation adds (`Generator.stream`)."""
+    token_ids: list[int]            # the new tokens
+    text: str | None                # the text they complete (None without a tokenizer)
+    stats: dict | None = None       # on the last chunk: generate()'s stats
 
 
 @dataclass
@@ -146,51 +155,93 @@ class Generator:
         calibrated tree, else the built-in default. `adaptive` (the default) lets each round choose: chains
         their length γ (unless `gamma` fixes it), trees a tree or a plain step, whichever the measured
         acceptance and costs say is faster; `adaptive=False` speculates in every round that has room."""
+        rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                              num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
+                              adaptive)
+        while True:
+            try:
+                next(rounds)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> Iterator[Chunk]:
+        """`generate` for one sequence, as it goes: after every round a Chunk with the new tokens and the text they
+        complete (decoded incrementally: a multi-byte character split across tokens waits for its last byte); the
+        last chunk carries the stats. `options` are generate's."""
+        if options.get("num_return_sequences", 1) != 1:
+            raise InputError(f"num_return_sequences {options['num_return_sequences']}: streaming gives one "
+                             "sequence; use generate() for several")
+        rounds, sent, shown = self._rounds(prompt, prompt_ids, **options), 0, ""
+        while True:
+            try:
+                run = next(rounds)
+                stats = None
+            except StopIteration as done:
+                stats = done.value.stats
+            ids = run.host_tokens[0, run.prompt_len:run.host_lengths[0]].tolist()
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                text = text if stats is not None or not text.endswith("\ufffd") else shown
+                text, shown = text[len(shown):], text
+            if len(ids) > sent or stats is not None:
+                yield Chunk(ids[sent:], text, stats)
+                sent = len(ids)
+            if stats is not None:
+                return
+
+    def _rounds(self, prompt, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
+                method: str = "autoregressive", gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
+                chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True):
+        """The loop, one round at a time: yields the request's state after the prefill and after every round,
+        returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
+        latency); the caller's setting is back whenever control is."""
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the loop's tensors are small: a thread pool only adds latency
+        torch.set_num_threads(1)
         try:
-            return self._generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                                  num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree,
-                                  tree_choices, adaptive)
+            params = SamplingParams(temperature, top_k, top_p, seed)
+            self._check_request(method, gamma, max_new_tokens, num_return_sequences)
+            run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
+                                num_return_sequences)
+            drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
+            tree = getattr(drafter, "tree", None)
+            run.cache_len = min(run.max_len, run.prompt_len + max_new_tokens + 1 +
+                                (tree.size if tree is not None else (gamma or MAX_GAMMA) + 1))
+            policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and adaptive and gamma is None and \
+                tree is None else None
+            trees = TreePolicy() if tree is not None and adaptive else None
+
+            self.engine_time = 0.0
+            started = time.perf_counter()
+            self._prefill(run)
+            prefill_time = time.perf_counter() - started
+            if drafter is not None:
+                drafter.start(run)
+            while True:
+                torch.set_num_threads(threads)
+                yield run
+                torch.set_num_threads(1)
+                if not run.active.any():
+                    break
+                began, live = time.perf_counter(), int(run.active.sum())
+                if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
+                    g = tree.max_depth if self._room(run) >= tree.size - 1 and (trees is None or trees.choose()) \
+                        else 0
+                else:
+                    g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
+                proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
+                accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
+                if drafter is not None:
+                    drafter.observe(run)
+                if policy:
+                    policy.update(accepted, proposed)
+                if trees:
+                    trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+            wall = time.perf_counter() - started
+            return self._result(run, method, wall, prefill_time, policy, gamma, tree, trees)
         finally:
             torch.set_num_threads(threads)
-
-    def _generate(self, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, num_return_sequences,
-                  method, gamma, ngram_max, ngram_min, chat, tree, tree_choices, adaptive) -> Generation:
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        self._check_request(method, gamma, max_new_tokens, num_return_sequences)
-        run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
-                            num_return_sequences)
-        drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
-        tree = getattr(drafter, "tree", None)
-        run.cache_len = min(run.max_len, run.prompt_len + max_new_tokens + 1 +
-                            (tree.size if tree is not None else (gamma or MAX_GAMMA) + 1))
-        policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and adaptive and gamma is None and tree is None \
-            else None
-        trees = TreePolicy() if tree is not None and adaptive else None
-
-        self.engine_time = 0.0
-        started = time.perf_counter()
-        self._prefill(run)
-        prefill_time = time.perf_counter() - started
-        if drafter is not None:
-            drafter.start(run)
-        while run.active.any():
-            began, live = time.perf_counter(), int(run.active.sum())
-            if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
-                g = tree.max_depth if self._room(run) >= tree.size - 1 and (trees is None or trees.choose()) else 0
-            else:
-                g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
-            proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
-            accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
-            if drafter is not None:
-                drafter.observe(run)
-            if policy:
-                policy.update(accepted, proposed)
-            if trees:
-                trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
-        wall = time.perf_counter() - started
-        return self._result(run, method, wall, prefill_time, policy, gamma, tree, trees)
 
     def _check_request(self, method: str, gamma, max_new_tokens: int, num_return_sequences: int) -> None:
         if method not in METHODS:

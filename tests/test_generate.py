@@ -10,6 +10,7 @@ import torch
 
 from greedy_check import assert_same_or_tie
 from conftest import load_prompts
+from specrt.errors import InputError
 from specrt.generate import Generator
 
 
@@ -78,3 +79,42 @@ def test_chat_prompt_cli(default_engines):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert "Paris" in doc["text"]
+
+
+# ---- streaming ----------------------------------------------------------------------------------------------
+def test_stream_gives_generate_output_round_by_round(tiny_engines):
+    gen = Generator.from_engines(tiny_engines["llama"][0])
+    for method in ("autoregressive", "ngram"):
+        kw = dict(prompt_ids=[1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=24, method=method)
+        whole, chunks = gen.generate(**kw), list(gen.stream(**kw))
+        assert [t for c in chunks for t in c.token_ids] == whole.token_ids[0]
+        assert all(c.stats is None for c in chunks[:-1]) and chunks[-1].stats["tokens"] == 24
+        assert len(chunks) <= whole.stats["rounds"] + 2       # the prefill's token, then one chunk a round
+        assert all(c.text is None for c in chunks)            # no tokenizer: ids only
+    with pytest.raises(InputError, match="num_return_sequences 2"):
+        next(gen.stream(prompt_ids=[1, 2], num_return_sequences=2))
+    assert gen.generate(prompt_ids=[1, 2], max_new_tokens=3).stats["tokens"] == 3   # a refused stream left no state
+
+
+@pytest.mark.slow
+def test_stream_holds_back_split_characters(default_generator):
+    """An emoji is several byte tokens: no chunk shows half of one, and the chunks add up to generate's text."""
+    prompt = "Reply with three emojis: fire, water, earth."
+    whole = default_generator.generate(prompt, max_new_tokens=30, method="medusa")
+    chunks = list(default_generator.stream(prompt, max_new_tokens=30, method="medusa"))
+    assert "".join(c.text for c in chunks) == whole.text[0]
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids[0]
+    assert not any("\ufffd" in c.text for c in chunks[:-1])
+    assert any(c.token_ids and not c.text for c in chunks), "expected a character split across tokens"
+
+
+def test_cli_stream(tiny_engines):
+    base = [sys.executable, "-m", "specrt.cli", "generate", str(tiny_engines["qwen2"][0]), "--prompt-ids", "3,4,5",
+            "--max-new-tokens", "7"]
+    streamed = subprocess.run(base + ["--stream"], capture_output=True, text=True)
+    whole = subprocess.run(base + ["--json"], capture_output=True, text=True)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.strip() == ",".join(map(str, json.loads(whole.stdout)["token_ids"][0]))
+    assert "7 tokens" in streamed.stderr
+    refused = subprocess.run(base + ["--stream", "--json"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--stream prints one sequence" in refused.stderr
