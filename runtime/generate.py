@@ -172,6 +172,7 @@ class Generator:
             raise InputError(f"num_return_sequences {options['num_return_sequences']}: streaming gives one "
                              "sequence; use generate() for several")
         rounds, sent, shown = self._rounds(prompt, prompt_ids, **options), 0, ""
+        threads = torch.get_num_threads()   # the caller's, while it holds control
         while True:
             try:
                 run = next(rounds)
@@ -185,7 +186,10 @@ class Generator:
                 text = text if stats is not None or not text.endswith("\ufffd") else shown
                 text, shown = text[len(shown):], text
             if len(ids) > sent or stats is not None:
+                loop_threads = torch.get_num_threads()
+                torch.set_num_threads(threads)
                 yield Chunk(ids[sent:], text, stats)
+                torch.set_num_threads(loop_threads)
                 sent = len(ids)
             if stats is not None:
                 return
@@ -196,7 +200,7 @@ class Generator:
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True):
         """The loop, one round at a time: yields the request's state after the prefill and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
-        latency); the caller's setting is back whenever control is."""
+        latency); the caller's setting is back when it ends."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -219,9 +223,7 @@ class Generator:
             if drafter is not None:
                 drafter.start(run)
             while True:
-                torch.set_num_threads(threads)
                 yield run
-                torch.set_num_threads(1)
                 if not run.active.any():
                     break
                 began, live = time.perf_counter(), int(run.active.sum())
