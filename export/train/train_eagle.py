@@ -8,7 +8,8 @@ token t + 2 (soft cross-entropy against its top-16 over the kept ids, weight 0.1
 features get uniform noise (EAGLE). With --own-weight > 0 a second pass reads the drafter's own predictions
 (detached, shifted into place) instead of the target's features and learns the same targets: at draft time
 every level below the first reads predicted features. Held-out prompts: the draft's (1 in 16, by name).
-Checkpoint every --save-every steps in --work; rerun the same command to resume.
+Checkpoint every --save-every steps in --work; rerun the same command to resume. --init DIR starts from a
+trained drafter's weights instead of random ones (a warm start when the data grows).
 
     python -m specrt.export.train.train_eagle --data build/distill/data.jsonl --work build/eagle-train \
         --out export/drafters/smollm2-135m-eagle --max-minutes 30
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from specrt.export.eagle import EagleModel, new_eagle, save_eagle
+from specrt.export.eagle import EagleModel, load_eagle, new_eagle, save_eagle
 from specrt.export.train.train_draft import is_val, load_labels, load_rows
 
 
@@ -36,6 +37,7 @@ class EagleTrainConfig:
     work: str = "build/eagle-train"
     out: str = "export/drafters/smollm2-135m-eagle"
     vocab: str = "export/drafters/smollm2-135m-draft"   # the kept output ids of this directory ("": all)
+    init: str = ""              # a trained drafter directory to start from ("": random weights)
     steps: int = 1500
     batch_tokens: int = 4096
     lr: float = 5e-4
@@ -176,8 +178,11 @@ def train(cfg: EagleTrainConfig) -> None:
     src = load_source("smollm2-135m")
     V = src.model.config.vocab_size
     kept = read_vocab_subset(Path(cfg.vocab), V) if cfg.vocab else None
-    model = new_eagle(from_hf(src.model, 2048), kept, cfg.seed).train()
-    del src
+    target = from_hf(src.model, 2048)
+    model = new_eagle(target, kept, cfg.seed).train()
+    if cfg.init:   # a warm start (a checkpoint in --work, when there is one, replaces it below)
+        model.load_state_dict(load_eagle(cfg.init, target).trained_state(), strict=False)
+    del src, target
     remap = torch.arange(V) if kept is None else torch.full((V,), -1, dtype=torch.long)
     if kept is not None:
         remap[torch.tensor(kept)] = torch.arange(len(kept))
