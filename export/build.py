@@ -86,15 +86,26 @@ def resolve_dtype(device: str, dtype: str | None) -> str:
     return dtype
 
 
+TARGET_WEIGHTS = ("float32", "int8", "int4")
+
+
 def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8",
-          device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS) -> dict:
+          device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS,
+          target_weights: str = "float32") -> dict:
     """Build every model of the engine set; each engine file is written beside its final name and renamed
     only when complete, and the manifest is updated atomically at the end. `drafter_weights` "int8" quantizes
-    the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`); the target always
-    keeps its exported weights. `device` "cuda" builds ONNX Runtime engines for the CUDA provider instead
-    (see `specrt.export.cuda_build`: `dtype` weights and compute, static-shape target graphs for `widths`)."""
+    the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`). `target_weights`
+    "int8" or "int4" gives the target 8- or 4-bit block weights (see `specrt.export.quantize`);
+    the target verifies every token, so the output is the quantized target's own. `device` "cuda" builds ONNX
+    Runtime engines for the CUDA provider instead (see `specrt.export.cuda_build`: `dtype` weights and compute,
+    static-shape target graphs for `widths`)."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
+    if target_weights not in TARGET_WEIGHTS:
+        raise BackendError(f"target weights {target_weights!r}: expected one of {', '.join(TARGET_WEIGHTS)}")
+    if target_weights != "float32" and (device != "cpu" or backend == "tensorrt"):
+        raise BackendError(f"--target-weights {target_weights} is for ONNX Runtime CPU engines: drop --device "
+                           "and --backend tensorrt, or use --target-weights float32")
     dtype = resolve_dtype(device, dtype)
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -109,8 +120,10 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
         backend = resolve_backend(backend)
         if backend == "onnxruntime" and not tensorrt_available():
             log("TensorRT not installed: building ONNX Runtime engines")
+        if target_weights != "float32":
+            backend = "onnxruntime"
         for role, spec in manifest["models"].items():
-            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights)
+            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, log)
             log(f"built {role} ({spec['engine']['weights']} weights): {directory / spec['engine']['file']}")
     manifest["backend"] = backend
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
@@ -118,16 +131,23 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     return manifest
 
 
-def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str) -> dict:
+def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
+                target_weights: str = "float32", log=print) -> dict:
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
     engine = directory / f"{role}{suffix}"
     partial = directory / f".{role}{suffix}.partial"
-    quantized = directory / f".{role}.int8.partial"
+    quantized = directory / f".{role}.quantized.partial"
     weights = spec.get("dtype", "float32")
+    extra = {}
     try:
         if backend == "tensorrt" and role != "medusa":
             build_tensorrt(graph, partial, spec["max_seq_len"])
+        elif role == "target" and target_weights != "float32":
+            from specrt.export.quantize import quantize_target
+            extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
+            build_ort(quantized, partial)
+            weights = target_weights
         elif role in DRAFTER_ROLES and drafter_weights == "int8":
             quantize_int8(graph, quantized)
             build_ort(quantized, partial)
@@ -139,7 +159,7 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
         partial.unlink(missing_ok=True)
         quantized.unlink(missing_ok=True)
     return {**file_entry(directory, engine.name), "weights": weights,
-            "backend": "onnxruntime" if suffix == ".ort.onnx" else backend}
+            "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
 
 
 def _versions(backend: str) -> dict:

