@@ -16,10 +16,14 @@ from specrt.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manif
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
-def _max_len(model, requested: int) -> int:
-    window = getattr(model.config, "sliding_window", None)
-    if window and window < requested:  # the graph attends to the whole prefix
-        return int(window)
+def _max_len(model, requested: int, log=print) -> int:
+    """The graph's max_seq_len: the request, capped at the positions the model was trained for and at its
+    sliding window (the graph attends to the whole prefix)."""
+    for name in ("max_position_embeddings", "sliding_window"):
+        limit = getattr(model.config, name, None)
+        if limit and limit < requested:
+            log(f"--max-seq-len {requested} is more than the model's {name} ({limit}): using {limit}")
+            requested = int(limit)
     return requested
 
 
@@ -49,7 +53,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     f"{target!r} has {models['target']['vocab_size']}: a draft must share the "
                                     "target's vocabulary")
             tokenizer = tokenizer or src.tokenizer
-            model = from_hf(src.model, _max_len(src.model, max_seq_len), src.vocab_subset)
+            model = from_hf(src.model, _max_len(src.model, max_seq_len, log), src.vocab_subset)
             kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
             log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}{kept}, "
                 f"max_seq_len {model.args.max_seq_len})")

@@ -31,6 +31,21 @@ def test_generation_reaching_max_len_stops_cleanly(tiny_engines):
     assert len(gen.generate(prompt_ids=[1, 2], max_new_tokens=10).token_ids[0]) == 10
 
 
+def test_export_caps_max_seq_len_at_the_models_positions(tmp_path):
+    """A tiny model knows 256 positions: a request for 400 is capped (and said so), and a prompt past 256 is refused
+    instead of generating at positions the model never saw."""
+    tiny_model("llama", 0).save_pretrained(tmp_path / "src")
+    said = []
+    export_engines(str(tmp_path / "src"), tmp_path / "e", max_seq_len=400, log=said.append)
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert manifest["models"]["target"]["max_seq_len"] == 256
+    assert any("--max-seq-len 400" in s and "max_position_embeddings (256)" in s for s in said)
+    from specrt.export.build import build
+    build(tmp_path / "e", "onnxruntime", log=lambda *_: None)
+    with pytest.raises(InputError, match="prompt of 300 tokens"):
+        Generator.from_engines(tmp_path / "e").generate(prompt_ids=[1] * 300)
+
+
 @pytest.mark.parametrize("kw, pattern", [
     (dict(temperature=-0.5), "temperature -0.5"),
     (dict(temperature=1.0, top_p=0.0), "top_p 0.0"),
