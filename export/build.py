@@ -91,14 +91,15 @@ TARGET_WEIGHTS = ("float32", "int8", "int4")
 
 def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8",
           device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS,
-          target_weights: str = "float32") -> dict:
+          target_weights: str = "float32", fuse: bool = True) -> dict:
     """Build every model of the engine set; each engine file is written beside its final name and renamed
     only when complete, and the manifest is updated atomically at the end. `drafter_weights` "int8" quantizes
     the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`). `target_weights`
     "int8" or "int4" gives the target 8- or 4-bit block weights (see `specrt.export.quantize`);
     the target verifies every token, so the output is the quantized target's own. `device` "cuda" builds ONNX
     Runtime engines for the CUDA provider instead (see `specrt.export.cuda_build`: `dtype` weights and compute,
-    static-shape target graphs for `widths`)."""
+    static-shape target graphs for `widths`). `fuse` rewrites the target's ONNX Runtime CPU engine into fewer,
+    fused nodes (see `specrt.export.fuse`)."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
     if target_weights not in TARGET_WEIGHTS:
@@ -123,7 +124,7 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
         if target_weights != "float32":
             backend = "onnxruntime"
         for role, spec in manifest["models"].items():
-            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, log)
+            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, fuse)
             log(f"built {role} ({spec['engine']['weights']} weights): {directory / spec['engine']['file']}")
     manifest["backend"] = backend
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
@@ -132,34 +133,47 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
 
 
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
-                target_weights: str = "float32", log=print) -> dict:
+                target_weights: str = "float32", fuse: bool = False) -> dict:
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
     engine = directory / f"{role}{suffix}"
     partial = directory / f".{role}{suffix}.partial"
     quantized = directory / f".{role}.quantized.partial"
+    fused = directory / f".{role}.fused.partial"
     weights = spec.get("dtype", "float32")
     extra = {}
     try:
         if backend == "tensorrt" and role != "medusa":
             build_tensorrt(graph, partial, spec["max_seq_len"])
-        elif role == "target" and target_weights != "float32":
-            from specrt.export.quantize import quantize_target
-            extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
-            build_ort(quantized, partial)
-            weights = target_weights
-        elif role in DRAFTER_ROLES and drafter_weights == "int8":
-            quantize_int8(graph, quantized)
-            build_ort(quantized, partial)
-            weights = "int8"
         else:
-            build_ort(graph, partial)
+            source = graph
+            if role == "target" and target_weights != "float32":
+                from specrt.export.quantize import quantize_target
+                extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
+                source, weights = quantized, target_weights
+            elif role in DRAFTER_ROLES and drafter_weights == "int8":
+                quantize_int8(graph, quantized)
+                source, weights = quantized, "int8"
+            if role == "target" and fuse:
+                extra["fused"] = fuse_file(source, fused, spec)
+                source = fused
+            build_ort(source, partial)
         os.replace(partial, engine)
     finally:
-        partial.unlink(missing_ok=True)
-        quantized.unlink(missing_ok=True)
+        for path in (partial, quantized, fused):
+            path.unlink(missing_ok=True)
     return {**file_entry(directory, engine.name), "weights": weights,
             "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
+
+
+def fuse_file(graph: Path, out: Path, spec: dict) -> dict:
+    """Write `graph` rewritten into fewer, fused ONNX Runtime nodes to `out`; return what was fused."""
+    import onnx
+
+    from specrt.export.fuse import fuse_graph
+    model, counts = fuse_graph(onnx.load(str(graph)), spec)
+    onnx.save(model, str(out))
+    return counts
 
 
 def _versions(backend: str) -> dict:

@@ -69,12 +69,16 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weights and compute of CUDA engines (default float16; float32 on the CPU, the only choice "
                    "there). Logits stay float32.")
-def build(engines, backend, drafter_weights, target_weights, device, dtype):
+@click.option("--fuse/--no-fuse", default=True, show_default=True,
+              help="Rewrite the target's ONNX Runtime CPU engine into fewer, fused nodes (RoPE, RMSNorm with the "
+                   "residual add, attention without per-layer shape arithmetic). --no-fuse builds the exported "
+                   "graph as it is.")
+def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
         do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype,
-                 target_weights=target_weights)
+                 target_weights=target_weights, fuse=fuse)
     except SpecrtError as e:
         _fail(e)
 

@@ -1,6 +1,10 @@
 """The ONNX target graph (through the runtime's engine and KV cache) against transformers, in fp32:
-prefill, decode steps, and a verification block with a tree mask. Generated from the architecture registry."""
+prefill, decode steps, and a verification block with a tree mask. Generated from the architecture registry.
+The CPU engines are built fused (specrt.export.fuse); the exported graph as it is (--no-fuse) is checked too."""
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -75,6 +79,27 @@ def test_tiny_parity(tiny_engines, arch):
     directory, model = tiny_engines[arch]
     gen = Generator.from_engines(directory)
     check_parity(gen.target, model, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
+def test_tiny_engines_are_fused(tiny_engines, arch):
+    directory, model = tiny_engines[arch]
+    engine = json.loads((directory / "manifest.json").read_text())["models"]["target"]["engine"]
+    layers = model.config.num_hidden_layers
+    # per layer: RoPE of q and k, attention inlined, both norms with the residual add before them; the first
+    # norm (after the embedding) has no residual add, the final one has
+    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": 1, "skip_norm": 2 * layers}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_unfused_parity(tiny_engines, arch, tmp_path):
+    from specrt.export.build import build
+    directory, model = tiny_engines[arch]
+    plain = tmp_path / "plain"
+    shutil.copytree(directory, plain)
+    build(plain, "onnxruntime", log=lambda *_: None, fuse=False)
+    assert "fused" not in json.loads((plain / "manifest.json").read_text())["models"]["target"]["engine"]
+    check_parity(Generator.from_engines(plain).target, model, model.config.vocab_size)
 
 
 def test_every_architecture_has_a_tiny_model(tiny_engines):

@@ -1,5 +1,6 @@
-"""The TreeAttention op's ONNX function (as ONNX Runtime runs it) against the float64 reference,
-over random shapes, grouped-query layouts, trees and per-row past_len."""
+"""The TreeAttention op's ONNX function (as ONNX Runtime runs it), and the inlined form the CPU engines' fused graph
+gives it (specrt.export.fuse), against the float64 reference over random shapes, grouped-query layouts, trees and
+per-row past_len."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,17 +9,22 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from specrt.export.fuse import fuse_graph
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 
 
-def op_model(scale: float) -> bytes:
+def op_model(scale: float, fused: dict | None = None) -> bytes:
+    """One TreeAttention node; `fused` (heads, kv_heads, head_dim): inlined by the engines' graph rewrite."""
     f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     types = [f, f, f, f, f, i64, b]
     ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
     node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
     graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    return attach_function(model).SerializeToString()
+    model = attach_function(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    if fused is not None:
+        model, counts = fuse_graph(model, fused)
+        assert counts == {"attention": 1} and not any(n.domain == DOMAIN for n in model.graph.node)
+    return model.SerializeToString()
 
 
 def random_tree(rng, S):
@@ -31,8 +37,9 @@ def random_tree(rng, S):
     return mask
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["function", "fused"])
 @pytest.mark.parametrize("seed", range(12))
-def test_op_matches_float64_reference(seed):
+def test_op_matches_float64_reference(seed, fused):
     rng = np.random.default_rng(seed)
     B = int(rng.integers(1, 4))
     Hkv = int(rng.choice([1, 2, 3]))
@@ -46,18 +53,20 @@ def test_op_matches_float64_reference(seed):
     inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
                   k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
                   tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
-    session = ort.InferenceSession(op_model(scale), providers=["CPUExecutionProvider"])
+    heads = dict(heads=H, kv_heads=Hkv, head_dim=D) if fused else None
+    session = ort.InferenceSession(op_model(scale, heads), providers=["CPUExecutionProvider"])
     got = session.run(None, inputs)[0]
     want = reference(*inputs.values(), scale)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_cache_beyond_past_len_is_ignored():
+@pytest.mark.parametrize("fused", [None, dict(heads=2, kv_heads=1, head_dim=4)], ids=["function", "fused"])
+def test_cache_beyond_past_len_is_ignored(fused):
     rng = np.random.default_rng(0)
     args = [rng.standard_normal(s).astype(np.float32) for s in [(1, 2, 3, 4), (1, 1, 8, 4), (1, 1, 8, 4),
                                                                 (1, 1, 3, 4), (1, 1, 3, 4)]]
     past, mask = np.array([5]), np.tril(np.ones((3, 3), bool))[None]
-    session = ort.InferenceSession(op_model(0.5), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(op_model(0.5, fused), providers=["CPUExecutionProvider"])
     a = session.run(None, dict(zip(INPUTS, args + [past, mask])))[0]
     args[1][:, :, 5:] = 1e4  # garbage past the valid prefix
     args[2][:, :, 5:] = np.nan
