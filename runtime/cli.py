@@ -323,6 +323,29 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
     sys.exit(0 if report["passed"] else 1)
 
 
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients ask for (default: the directory's name).")
+@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
+              default="autoregressive", show_default=True,
+              help='Method of the requests that do not choose one (the field "specrt": {"method": ...}).')
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
+def serve(engines, host, port, model_name, method, device, threads):
+    """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health); requests are served one at a time. Needs the serve extra: pip install 'specrt[serve]'."""
+    try:
+        from specrt.serve import serve as run
+    except ImportError as e:
+        raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
+    try:
+        run(engines, host, port, model_name, method, device, threads)
+    except SpecrtError as e:
+        _fail(e)
+
+
 def _register_bench():
     from specrt.bench import bench
     main.add_command(bench)

@@ -1,0 +1,259 @@
+"""specrt serve: a real server process, driven with the official openai client."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import openai
+import pytest
+
+from conftest import export_tiny_with_heads
+from specrt.generate import Generator
+from specrt.serve import StopText
+
+VOCAB, MAX_LEN = 128, 256
+
+
+@contextmanager
+def running_server(engines, log_path, *args):
+    """`specrt serve ENGINES` on a free port until /health answers; yields (base url, log path)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(engines), "--port", str(port),
+                                 *args], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the server exited: {log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"no /health after 120 s: {log_path.read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def stream_ids(stream) -> tuple[list[int], str | None, object]:
+    """Token ids, the finish reason and the usage of a streamed completion."""
+    ids, reason, usage = [], None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            ids += choice.token_ids
+            reason = choice.finish_reason or reason
+    return ids, reason, usage
+
+
+# ---- a tiny engine set (target, draft, Medusa heads; no tokenizer): token ids in, token ids out ------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    directory, _ = export_tiny_with_heads(tmp, VOCAB, num_heads=3, max_seq_len=MAX_LEN)
+    log = tmp / "server.log"
+    with running_server(directory, log, "--model-name", "tiny", "--threads", "1") as url:
+        yield Generator.from_engines(directory, threads=1), url, log
+
+
+def test_models_and_completion(tiny):
+    gen, url, _ = tiny
+    api = client(url)
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+    out = api.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0)
+    want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12)
+    assert out.choices[0].token_ids == want.token_ids[0]
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text == ""
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 12, 15)
+    # n choices, sampled with a seed: the generator's own rows for that seed (a fixed gamma: the adaptive one
+    # follows timings, and with it the random draws)
+    out = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=6, n=3, temperature=0.8, seed=4,
+                                 extra_body={"specrt": {"method": "draft", "gamma": 2}})
+    want = gen.generate(prompt_ids=[5, 6], max_new_tokens=6, num_return_sequences=3, temperature=0.8, seed=4,
+                        method="draft", gamma=2)
+    assert [c.token_ids for c in out.choices] == want.token_ids
+    assert out.usage.completion_tokens == 18 and out.specrt["method"] == "draft"
+
+
+def test_concurrent_streams_in_turn(tiny):
+    """Four streams at once with different prompts and methods: each the greedy output of a lone generate."""
+    gen, url, _ = tiny
+    api = client(url)
+    jobs = [([1, 2, 3, 1, 2, 3], "autoregressive"), ([7, 8, 9, 10], "draft"), ([4, 5, 4, 5, 4], "ngram"),
+            ([11, 12], "medusa")]
+
+    def run(job):
+        prompt, method = job
+        return stream_ids(api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"specrt": {"method": method}}))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, jobs))
+    for (prompt, method), (ids, reason, usage) in zip(jobs, results):
+        assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method=method).token_ids[0], method
+        assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
+
+
+BAD = [  # (body, status, the field the message must name)
+    (b'{"prompt": [1, 2', 400, "JSON"),
+    ({"model": "gpt-4", "prompt": [1]}, 404, "model"),
+    ({"prompt": [1], "specrt": {"method": "beam"}}, 400, "specrt.method"),
+    ({"prompt": [1], "specrt": {"method": "eagle"}}, 400, "specrt.method"),   # not in this engine set
+    ({"prompt": [1], "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": [1], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1], "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1], "n": 0}, 400, "n"),
+    ({"prompt": [1], "n": 2, "stream": True}, 400, "n"),
+    ({"prompt": list(range(3)) * 90}, 400, "prompt"),                        # 270 tokens > 256
+    ({"prompt": [VOCAB]}, 400, "prompt"),
+    ({"prompt": "text needs a tokenizer"}, 400, "prompt"),
+    ({"prompt": [1], "stop": [""]}, 400, "stop"),
+]
+
+
+def test_bad_input_answered_and_server_keeps_serving(tiny):
+    gen, url, _ = tiny
+    for body, status, field in BAD:
+        code, doc = post(url + "/v1/completions", body)
+        assert code == status, (body, doc)
+        error = doc["error"]
+        assert set(error) == {"message", "type", "param", "code"} and field in error["message"], (body, error)
+        if field != "JSON":
+            assert error["param"] == field, (body, error)
+    code, doc = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and doc["error"]["param"] == "messages"            # no chat template without a tokenizer
+    code, doc = post(url + "/v1/chat/completions", {"messages": []})
+    assert code == 400 and doc["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client(url).completions.create(model="tiny", prompt=[1], temperature=-1)
+    out = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+    assert out.choices[0].token_ids == gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids[0]
+
+
+def test_closed_stream_stops_its_generation(tiny):
+    gen, url, log = tiny
+    api = client(url)
+    stream = api.completions.create(model="tiny", prompt=[1, 2], max_tokens=MAX_LEN - 3, temperature=0,
+                                    stream=True)
+    next(iter(stream))
+    stream.close()
+    out = api.completions.create(model="tiny", prompt=[3, 2, 1], max_tokens=8, temperature=0)
+    assert out.choices[0].token_ids == gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8).token_ids[0]
+    deadline = time.monotonic() + 10
+    while not (stopped := re.findall(r"generation stopped after (\d+) tokens", log.read_text())):
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+    assert int(stopped[-1]) < MAX_LEN - 3
+
+
+def test_stop_text():
+    text = StopText(["</s>", "END"])
+    assert text.feed("Hello <") == ("Hello ", False)     # "<" may begin "</s>": held back
+    assert text.feed("b> and E") == ("<b> and ", False)
+    assert text.feed("ND more") == ("", True)
+    text = StopText(["\n\n"])
+    assert text.feed("a\n") == ("a", False) and text.feed("b") == ("\nb", False) and text.flush() == ""
+
+
+# ---- the default engines (SmolLM2 with its tokenizer): chat, text, stop strings --------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(default_engines, default_generator, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-default") / "server.log"
+    with running_server(default_engines, log, "--method", "medusa") as url:
+        yield default_generator, url
+
+
+CHATS = [
+    [{"role": "user", "content": "Name three rivers."}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}],
+    [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3, 4, 5."},
+     {"role": "user", "content": "Now backwards."}],
+    [{"role": "user", "content": [{"type": "text", "text": "Write a haiku about the sea."}]}],
+]
+
+
+def chat_ids(gen, messages):
+    turns = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+              "".join(p["text"] for p in m["content"])} for m in messages]
+    ids = gen.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@pytest.mark.slow
+def test_chat_streams_and_completion(smol):
+    gen, url = smol
+    api = client(url)
+    methods = ["medusa", "autoregressive", "ngram", "draft"]
+
+    def run(i):
+        extra = {} if i == 0 else {"specrt": {"method": methods[i]}}   # the server's --method medusa
+        stream = api.chat.completions.create(model="default", messages=CHATS[i], max_tokens=8, temperature=0,
+                                             stream=True, extra_body=extra)
+        text, ids, reason = "", [], None
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                ids += choice.token_ids or []
+                reason = choice.finish_reason or reason
+        return text, ids, reason
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(4)))
+    for messages, method, (text, ids, reason) in zip(CHATS, methods, results):
+        want = gen.generate(prompt_ids=chat_ids(gen, messages), max_new_tokens=8, method=method)
+        assert ids == want.token_ids[0] and text == want.text[0], method
+        assert reason == ("stop" if want.stats["stop_reason"] == "eos" else "length")
+    out = api.chat.completions.create(model="default", messages=CHATS[0], max_completion_tokens=8, temperature=0)
+    assert out.choices[0].message.content == results[0][0] and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(chat_ids(gen, CHATS[0])) and out.usage.completion_tokens == 8
+
+    # plain text completions (no chat template), cut at a stop string, streamed and not
+    prompt = "The three largest cities in Europe are"
+    want = gen.generate(prompt_ids=gen.encode(prompt, chat=False), max_new_tokens=12, method="medusa")
+    out = api.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].text == want.text[0] and out.choices[0].token_ids == want.token_ids[0]
+    stop = want.text[0][len(want.text[0]) // 2:][:3]
+    cut = want.text[0][:want.text[0].index(stop)]
+    out = api.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(api.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
+                                         stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
