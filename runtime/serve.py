@@ -261,7 +261,7 @@ def _produce(chunks: Iterator[Chunk], put: Callable, stop: threading.Event) -> N
             for chunk in chunks:
                 put(chunk)
                 tokens += len(chunk.token_ids)
-                if stop.is_set():
+                if stop.is_set() and chunk.stats is None:   # the request ended before its generation
                     log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
                              "string)", tokens)
                     break
