@@ -30,6 +30,7 @@ def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
 
 
 DRAFTER_ROLES = ("draft", "medusa", "eagle")
+FUSED_ROLES = ("target", "draft", "eagle")   # the graphs with decoder layers (TreeAttention, RoPE, RMSNorm)
 
 
 def quantize_int8(graph: Path, out: Path) -> None:
@@ -98,8 +99,8 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     "int8" or "int4" gives the target 8- or 4-bit block weights (see `specrt.export.quantize`);
     the target verifies every token, so the output is the quantized target's own. `device` "cuda" builds ONNX
     Runtime engines for the CUDA provider instead (see `specrt.export.cuda_build`: `dtype` weights and compute,
-    static-shape target graphs for `widths`). `fuse` rewrites the target's ONNX Runtime CPU engine into fewer,
-    fused nodes (see `specrt.export.fuse`)."""
+    static-shape target graphs for `widths`). `fuse` rewrites the ONNX Runtime CPU engines of the target and the
+    drafters with a decoder graph (draft, eagle) into fewer, fused nodes (see `specrt.export.fuse`)."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
     if target_weights not in TARGET_WEIGHTS:
@@ -154,7 +155,7 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
             elif role in DRAFTER_ROLES and drafter_weights == "int8":
                 quantize_int8(graph, quantized)
                 source, weights = quantized, "int8"
-            if role == "target" and fuse:
+            if role in FUSED_ROLES and fuse:
                 extra["fused"] = fuse_file(source, fused, spec)
                 source = fused
             build_ort(source, partial)

@@ -70,9 +70,9 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
               help="Weights and compute of CUDA engines (default float16; float32 on the CPU, the only choice "
                    "there). Logits stay float32.")
 @click.option("--fuse/--no-fuse", default=True, show_default=True,
-              help="Rewrite the target's ONNX Runtime CPU engine into fewer, fused nodes (RoPE, RMSNorm with the "
-                   "residual add, attention without per-layer shape arithmetic). --no-fuse builds the exported "
-                   "graph as it is.")
+              help="Rewrite the ONNX Runtime CPU engines of the target, draft and EAGLE drafter into fewer, fused "
+                   "nodes (RoPE, RMSNorm with the residual add, attention without per-layer shape arithmetic). "
+                   "--no-fuse builds the exported graphs as they are.")
 def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
