@@ -103,7 +103,10 @@ def sampling_options(f):
         click.option("--temperature", default=0.0, show_default=True, help="0 is greedy."),
         click.option("--top-k", default=0, show_default=True, help="0 is off."),
         click.option("--top-p", default=1.0, show_default=True, help="1 is off."),
-        click.option("--seed", default=None, type=int, help="Same seed, same output."),
+        click.option("--seed", default=None, type=int,
+                     help="Same seed, same output (speculative methods: with --no-adaptive or a fixed --gamma; "
+                          "adaptive rounds follow measured timings, and so do the random draws; the distribution "
+                          "is the target's either way)."),
         click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
                      default="autoregressive", show_default=True),
         click.option("--tree", is_flag=True, help="draft: propose a tree (top-k branching along the chain)."),
