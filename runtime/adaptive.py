@@ -90,9 +90,10 @@ class TreePolicy:
     `decay` per round (a few dozen rounds: a tree's tokens per round vary too much from round to round for a
     shorter memory), so that the choice follows the text. The first `warmup` rounds grow trees, then one plain
     step is timed. Trees stop when their rate falls below `margin` times the plain rate (a near tie keeps
-    speculating: the rates are noisy); while plain steps win, every `probe_every`-th round still grows a tree to
-    keep the tree's figures current. A round's first pass of a new shape pays one-time costs: the first tree
-    round is not timed."""
+    speculating: the rates are noisy); while plain steps win, a probe round still grows a tree to keep the tree's
+    figures current: after `probe_every` plain steps, then after twice as many each time a probe does not pay
+    (up to 8 × `probe_every`), back to `probe_every` once trees pay again. A round's first pass of a new shape
+    pays one-time costs: the first tree round is not timed."""
     warmup: int = 3
     probe_every: int = 8
     decay: float = 0.97
@@ -100,6 +101,7 @@ class TreePolicy:
     tree_rounds: int = 0
     plain_rounds: int = 0
     idle: int = 0
+    backoff: int = 1
     sums: dict = field(default_factory=lambda: {"tokens": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]})
 
     def mean(self, name: str) -> float:
@@ -119,10 +121,13 @@ class TreePolicy:
             return False
         gain = self.mean("tokens") / self.mean("tree") * self.mean("plain")      # tree rate / plain rate
         if gain >= (self.margin if self.idle == 0 else 1.0):
-            self.idle = 0
+            self.idle, self.backoff = 0, 1
             return True
         self.idle += 1
-        return self.idle % self.probe_every == 0
+        if self.idle < self.probe_every * self.backoff:
+            return False
+        self.idle, self.backoff = 1, min(self.backoff * 2, 8)   # each failed probe waits twice as long (to 64)
+        return True
 
     def update(self, tree: bool, tokens: float, seconds: float) -> None:
         """A finished round: tokens per live row (accepted drafts + 1) and its wall time."""
