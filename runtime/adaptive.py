@@ -22,6 +22,13 @@ class Costs:
     def c(self) -> float:
         return self.draft_step / self.verify[1]
 
+    def pass_time(self, k: int) -> float:
+        """A target pass over k tokens per row: measured, or on the line through the first and last measured."""
+        if k in self.verify:
+            return self.verify[k]
+        lo, hi = min(self.verify), max(self.verify)
+        return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (k - lo) / max(1, hi - lo)
+
     def round_time(self, gamma: int) -> float:
         return gamma * self.draft_step + self.verify[gamma + 1]
 

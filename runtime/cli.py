@@ -336,15 +336,49 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
               help='Method of the requests that do not choose one (the field "specrt": {"method": ...}).')
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
-def serve(engines, host, port, model_name, method, device, threads):
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Sequences decoded together: concurrent requests join the running batch between rounds.")
+def serve(engines, host, port, model_name, method, device, threads, max_batch):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health); requests are served one at a time. Needs the serve extra: pip install 'specrt[serve]'."""
+    /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
+    at the next round when its method and sampling options match it, else waits for it to drain); speculation
+    turns itself off at batch sizes where a verify pass no longer pays. Needs the serve extra:
+    pip install 'specrt[serve]'."""
     try:
         from specrt.serve import serve as run
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads)
+        run(engines, host, port, model_name, method, device, threads, max_batch)
+    except SpecrtError as e:
+        _fail(e)
+
+
+@main.command("bench-serve")
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--concurrency", default="1,2,4,8", show_default=True,
+              help="Requests in flight at once, one wave each (comma-separated); 1 is the one-at-a-time baseline.")
+@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
+              default="autoregressive", show_default=True)
+@click.option("--requests", default=16, show_default=True, type=click.IntRange(1, 10000),
+              help="Requests per wave (MT-Bench prompts, repeated if needed).")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--threads", default=None, type=int, help="The server's engine threads (default: all cores).")
+@click.option("--out", default="bench-serve-out", show_default=True, type=click.Path(file_okay=False),
+              help="Where serve_bench.json, serve_bench.md and the server's log go.")
+def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out):
+    """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
+    under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
+    batch size (how often each size speculated). Needs the serve extra."""
+    from pathlib import Path
+    from specrt.serve_bench import bench_serve as run
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{concurrency!r}: expected comma-separated integers, e.g. 1,4,8",
+                                 param_hint="--concurrency") from None
+    try:
+        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo)
     except SpecrtError as e:
         _fail(e)
 

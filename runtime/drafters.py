@@ -1,9 +1,11 @@
 """Drafters propose tokens for the target to verify. A chain is a tree with one child per node.
 
-A drafter has three calls: start(run) after the prefill; propose(run, gamma) -> Proposal: tokens (B, γ), draft
-probabilities Q (B, γ, V) or None when the proposal is deterministic (greedy drafting, n-gram lookup), and
+A drafter has four calls: join(run, row, copies) when rows row .. row+copies−1 of the batch start a request
+(after the target's prefill of its prompt: `run.prompt_hidden`); propose(run, gamma) -> Proposal: tokens (B, γ),
+draft probabilities Q (B, γ, V) or None when the proposal is deterministic (greedy drafting, n-gram lookup), and
 `valid` (B, γ) for rows that propose fewer than γ; observe(run) after every round, proposed in or not (the
-target's pass has just run: `run.path_hidden`, `run.path_start`).
+target's pass has just run: `run.path_hidden`, `run.path_start`); move(src, dst, count) when the batch compacts
+its live rows (row dst takes row src's state for its first `count` positions).
 """
 from __future__ import annotations
 
@@ -68,20 +70,26 @@ class DraftModelDrafter:
     def __init__(self, engine, timer, tree: Tree | None = None):
         self.engine, self.timer, self.tree = engine, timer, tree
 
-    def start(self, run) -> None:
-        """Prefill the prompt minus its last token once, then copy it to every row."""
-        m, dev = run.prompt_len - 1, run.device
-        one = self.engine.new_cache(1, run.cache_len)
+    pool = None   # the cache's rows for the whole batch, made at the first join
+
+    def join(self, run, row: int, copies: int) -> None:
+        """Prefill the prompt minus its last token once, then copy it to the request's other rows."""
+        if self.pool is None:
+            self.pool = self.engine.new_cache(run.capacity, run.cache_len)
+            self.next_round = run.rounds   # the round whose proposal the cache is ready for
+        m, dev = run.rows[row].prompt_len - 1, run.device
+        one = self.pool.row(row)
+        one.truncate(0)
         if m > 0:
-            out = self.timer(self.engine, one, run.tokens[:1, :m], torch.arange(m, device=dev)[None],
+            out = self.timer(self.engine, one, run.tokens[row:row + 1, :m], _arange(m, dev)[None],
                              chain_mask(1, m, dev), 1)
             one.write(out.new_kv)
             one.past_len += m
-        self.cache = one
-        self.next_round = run.rounds   # the round whose proposal the cache is ready for
-        if run.batch > 1:
-            self.cache = self.engine.new_cache(run.batch, run.cache_len)
-            self.cache.broadcast_row(one)
+        for c in range(1, copies):
+            self.pool.copy_row(row, row + c, m)
+
+    def move(self, src: int, dst: int, count: int) -> None:
+        self.pool.copy_row(src, dst, count)
 
     def observe(self, run) -> None:
         pass
@@ -91,6 +99,7 @@ class DraftModelDrafter:
         w = 2 + run.rounds - self.next_round
         self.next_round = run.rounds + 1
         start = (run.lengths - w).clamp(min=0)
+        self.cache = self.pool.prefix(B)
         self.cache.truncate(start)
         feed = start[:, None] + torch.arange(w, device=dev)
         ids = run.tokens.gather(1, feed)                                                # (B, w)
@@ -131,7 +140,10 @@ class NgramDrafter:
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def start(self, run) -> None:
+    def join(self, run, row: int, copies: int) -> None:
+        pass
+
+    def move(self, src: int, dst: int, count: int) -> None:
         pass
 
     def observe(self, run) -> None:
@@ -176,7 +188,10 @@ class MedusaDrafter:
         self.timer = timer or (lambda fn, *args: fn(*args))   # counts the heads' passes as engine time
         self.levels = _levels(tree, heads.num_heads) if heads.sequential else None
 
-    def start(self, run) -> None:
+    def join(self, run, row: int, copies: int) -> None:
+        pass
+
+    def move(self, src: int, dst: int, count: int) -> None:
         pass
 
     def observe(self, run) -> None:

@@ -60,21 +60,46 @@ class EagleDrafter:
         self.engine, self.timer, self.shape = engine, timer, shape
         self.tree = shape.envelope
 
-    def start(self, run) -> None:
-        B, m = run.batch, run.prompt_len
-        self.cache = self.engine.new_cache(B, run.cache_len)
-        hidden = run.prompt_hidden
-        self.history = torch.zeros(B, run.cache_len, hidden.shape[-1], dtype=hidden.dtype, device=run.device)
-        self.history[:, :m] = hidden
+    pool = None   # the cache's rows for the whole batch, made at the first join
+
+    def join(self, run, row: int, copies: int) -> None:
+        """The request's prompt features into the history, and its prompt but the last slot into the cache (one
+        one-row pass: the first round's catch-up then feeds one slot, as in every later round)."""
+        hidden = run.prompt_hidden                                                  # (1, m, d)
+        if self.pool is None:
+            self.pool = self.engine.new_cache(run.capacity, run.cache_len)
+            self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
+                                        device=run.device)
+        m, dev = hidden.shape[1], run.device
+        self._history[row:row + copies, :m] = hidden
+        one = self.pool.row(row)
+        one.truncate(0)
+        if m > 1:
+            out = self.timer(self.engine, one, run.tokens[row:row + 1, 1:m], _arange(m - 1, dev)[None],
+                             chain_mask(1, m - 1, dev), 1, features=hidden[:, :m - 1])
+            one.write(out.new_kv)
+            one.past_len += m - 1
+        for c in range(1, copies):
+            self.pool.copy_row(row, row + c, m)
+
+    def move(self, src: int, dst: int, count: int) -> None:
+        self.pool.copy_row(src, dst, count)
+        self._history[dst, :count] = self._history[src, :count]
+
+    @property
+    def history(self) -> torch.Tensor:
+        return self._history[:self.batch]
 
     def observe(self, run) -> None:
         """The target's features along the round's path go to their positions (past the accepted ones: scratch
         that a later round overwrites before any catch-up reads it)."""
+        self.batch = run.batch
         feats = run.path_hidden                                                     # (B, D+1, d)
         slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
         self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
 
     def propose(self, run, gamma: int) -> Proposal:
+        self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
         logits, feature = self._catch_up(run)
         tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
         return Proposal(tokens, None, torch.ones_like(tokens, dtype=torch.bool), tree)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-from collections.abc import Iterator
+from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 MAX_GAMMA = 8
+MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size
 
 
 @dataclass
@@ -40,44 +41,74 @@ class Chunk:
 
 
 @dataclass
-class _Run:
-    """The state of one generate call: B rows sharing a prompt, each with its own length. `tokens` and `lengths` live
-    on the engines' device; `host_tokens`, `host_lengths` and `active` are the host's, updated once a round from
-    the one host read (see Generator._commit) and copied to the device (on the CPU they share memory)."""
-    tokens: torch.Tensor            # (B, Smax) int64, on the device
-    lengths: torch.Tensor           # (B,) tokens held, prompt included, on the device
+class _Row:
+    """One sequence of a batch: its request's bookkeeping, host side."""
+    owner: object                   # the caller's handle (generate(): the sequence's index)
     prompt_len: int
     max_new: int
-    stop_ids: frozenset[int]        # end-of-sequence ids
-    params: SamplingParams
-    generator: torch.Generator      # on the device
-    max_len: int                    # the engines' max_seq_len
-    host_tokens: np.ndarray         # (B, Smax) int64
-    host_lengths: np.ndarray        # (B,) int64
-    active: np.ndarray              # (B,) bool
-    stop_reason: list[str | None]
-    cache_len: int = 0              # slots per row in this request's caches (<= max_len)
-    cache: object = None            # the target's KVCache
-    hidden: torch.Tensor | None = None       # (B, d) target hidden state at each row's last accepted position
-    path_hidden: torch.Tensor | None = None  # (B, D+1, d) target hidden states along the last accepted path
-    path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
-    prompt_hidden: torch.Tensor | None = None  # (1, m, d) the prompt's, from the prefill (valid until the next pass)
-    rounds: int = 0
-    proposed: int = 0
+    stop_reason: str | None = None  # set when it finishes: eos, max_new_tokens, max_seq_len, cancelled
+    sent: int = 0                   # new tokens already handed out (Batch.new_tokens)
+    rounds: int = 0                 # rounds it took part in, and its drafts in them
     accepted: int = 0
-    per_position: list[list[int]] = field(default_factory=list)  # [accepted, proposed] per draft position
+    proposed: int = 0
+
+
+class _Run:
+    """The state of a batch: up to `capacity` rows, each a sequence with its own prompt, length and stop, the
+    live ones first (rows 0 .. batch−1). Rows join at round boundaries (each prompt prefilled on its own) and
+    leave when they finish: the last live rows move into the freed ones, so that passes run over live rows
+    only. `tokens` and `lengths` live on the engines' device; `host_tokens`, `host_lengths` and `active` are the
+    host's, updated once a round from the one host read (see Generator._commit) and copied to the device (on
+    the CPU they share memory). The attributes without a leading underscore are views of the live rows."""
+
+    def __init__(self, capacity: int, max_len: int, cache_len: int, params: SamplingParams, stop_ids, cache):
+        device = cache.data.device
+        self.capacity, self.max_len, self.cache_len = capacity, max_len, cache_len
+        self.params, self.stop_ids, self.pool = params, frozenset(stop_ids), cache
+        self.generator = params.generator(device)
+        self._host_tokens = np.zeros((capacity, max_len), np.int64)
+        self._host_lengths = np.zeros(capacity, np.int64)
+        self._active = np.zeros(capacity, bool)
+        # on the CPU the device tensors share the mirrors' memory (from_numpy); elsewhere they are copies
+        self._tokens = torch.from_numpy(self._host_tokens).to(device)
+        self._lengths = torch.from_numpy(self._host_lengths).to(device)
+        self.rows: list[_Row] = []
+        self.hidden: torch.Tensor | None = None       # (B, d) target hidden state at each row's last accepted position
+        self.path_hidden: torch.Tensor | None = None  # (B, D+1, d) target hidden states along the last accepted path
+        self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
+        self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
+        self.rounds = self.proposed = self.accepted = 0
+        self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
+        self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
+        self.resize(0)
+
+    def resize(self, n: int) -> None:
+        self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
+        self.active, self.tokens, self.lengths = self._active[:n], self._tokens[:n], self._lengths[:n]
+        self.cache = self.pool.prefix(n)
 
     @property
     def batch(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.rows)
 
     @property
     def device(self) -> torch.device:
-        return self.tokens.device
+        return self._tokens.device
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) each row's last committed token."""
         return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
+    def new_tokens(self, b: int) -> list[int]:
+        """Row b's tokens since the last call for it."""
+        row = self.rows[b]
+        start, end = row.prompt_len + row.sent, int(self.host_lengths[b])
+        row.sent = end - row.prompt_len
+        return self.host_tokens[b, start:end].tolist()
+
+    def output(self, b: int) -> list[int]:
+        """Row b's new tokens so far."""
+        return self.host_tokens[b, self.rows[b].prompt_len:self.host_lengths[b]].tolist()
 
 
 class Generator:
@@ -88,7 +119,8 @@ class Generator:
         self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
         self.eagle = eagle
         self.engine_time = 0.0
-        self._costs: Costs | None = None
+        self._batch_costs: dict[int, Costs] = {}
+        self._last_pool = None
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
@@ -144,17 +176,20 @@ class Generator:
         return out
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, prompt_ids: list[int] | None = None, *,
-                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+    def generate(self, prompt: str | list[str] | None = None, prompt_ids: list[int] | list[list[int]] | None = None,
+                 *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, num_return_sequences: int = 1, method: str = "autoregressive",
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
                  adaptive: bool = True) -> Generation:
-        """`tree=True` makes the draft model propose a tree (top-k branching along its chain); `medusa`
-        always verifies a tree: `tree_choices` (a Tree or a JSON file of paths), else the engine set's
-        calibrated tree, else the built-in default. `adaptive` (the default) lets each round choose: chains
-        their length γ (unless `gamma` fixes it), trees a tree or a plain step, whichever the measured
-        acceptance and costs say is faster; `adaptive=False` speculates in every round that has room."""
+        """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
+        each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
+        by prompt, `num_return_sequences` each. `tree=True` makes the draft model propose a tree (top-k
+        branching along its chain); `medusa` always verifies a tree: `tree_choices` (a Tree or a JSON file of
+        paths), else the engine set's calibrated tree, else the built-in default. `adaptive` (the default) lets
+        each round choose: chains their length γ (unless `gamma` fixes it), trees a tree or a plain step,
+        whichever the measured acceptance and costs say is faster, at the batch's size; `adaptive=False`
+        speculates in every round that has room."""
         rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
                               adaptive)
@@ -171,81 +206,65 @@ class Generator:
         if options.get("num_return_sequences", 1) != 1:
             raise InputError(f"num_return_sequences {options['num_return_sequences']}: streaming gives one "
                              "sequence; use generate() for several")
-        rounds, sent, shown = self._rounds(prompt, prompt_ids, **options), 0, ""
+        if isinstance(prompt, list) or (prompt_ids and isinstance(prompt_ids[0], list)):
+            raise InputError("stream() takes one prompt; use generate() for a batch of prompts")
+        rounds, text = self._rounds(prompt, prompt_ids, **options), Detokenizer(self.tokenizer)
         threads = torch.get_num_threads()   # the caller's, while it holds control
         while True:
             try:
                 run = next(rounds)
-                stats = None
+                ids, stats = run.new_tokens(0) if run.batch else [], None
             except StopIteration as done:
-                stats = done.value.stats
-            ids = run.host_tokens[0, run.prompt_len:run.host_lengths[0]].tolist()
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                text = text if stats is not None or not text.endswith("\ufffd") else shown
-                text, shown = text[len(shown):], text
-            if len(ids) > sent or stats is not None:
+                ids, stats = done.value.token_ids[0][text.count:], done.value.stats
+            if ids or stats is not None:
                 loop_threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
-                yield Chunk(ids[sent:], text, stats)
+                yield Chunk(ids, text.feed(ids, final=stats is not None), stats)
                 torch.set_num_threads(loop_threads)
-                sent = len(ids)
             if stats is not None:
                 return
+
+    def batch(self, capacity: int, cache_len: int | None = None, **options) -> "Batch":
+        """A batch of up to `capacity` sequences that requests join between rounds (continuous batching); options
+        are generate()'s speculation and sampling ones. See Batch."""
+        return Batch(self, capacity, cache_len, **options)
 
     def _rounds(self, prompt, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
                 method: str = "autoregressive", gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True):
-        """The loop, one round at a time: yields the request's state after the prefill and after every round,
+        """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            params = SamplingParams(temperature, top_k, top_p, seed)
-            self._check_request(method, gamma, max_new_tokens, num_return_sequences)
-            run = self._new_run(self._prompt_ids(prompt, prompt_ids, chat), params, max_new_tokens,
-                                num_return_sequences)
-            drafter = self._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
-            tree = getattr(drafter, "tree", None)
-            run.cache_len = min(run.max_len, run.prompt_len + max_new_tokens + 1 +
-                                (tree.size if tree is not None else (gamma or MAX_GAMMA) + 1))
-            policy = GammaPolicy(self.costs(), MAX_GAMMA) if drafter and adaptive and gamma is None and \
-                tree is None else None
-            trees = TreePolicy() if tree is not None and adaptive else None
-
-            self.engine_time = 0.0
+            if max_new_tokens < 1 or num_return_sequences < 1:
+                raise InputError(f"max_new_tokens {max_new_tokens} and num_return_sequences {num_return_sequences} "
+                                 "must be at least 1")
+            prompts = self._prompts(prompt, prompt_ids, chat)
+            n = num_return_sequences
+            room = max(map(len, prompts)) + max_new_tokens + 1
+            batch = self.batch(len(prompts) * n, room, method=method, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, gamma=gamma, ngram_max=ngram_max, ngram_min=ngram_min,
+                               tree=tree, tree_choices=tree_choices, adaptive=adaptive)
             started = time.perf_counter()
-            self._prefill(run)
+            for i, ids in enumerate(prompts):
+                batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n)
             prefill_time = time.perf_counter() - started
-            if drafter is not None:
-                drafter.start(run)
+            outputs: list = [None] * (len(prompts) * n)
             while True:
-                yield run
-                if not run.active.any():
+                yield batch.run
+                for row, tokens in batch.retire():
+                    outputs[row.owner] = (row, tokens)
+                if not batch.run.batch:
                     break
-                began, live = time.perf_counter(), int(run.active.sum())
-                if tree is not None:  # a tree round needs cache room for the whole tree, else a plain step
-                    g = tree.max_depth if self._room(run) >= tree.size - 1 and (trees is None or trees.choose()) \
-                        else 0
-                else:
-                    g = self._fit_gamma(run, (policy.choose() if policy else gamma or MAX_GAMMA) if drafter else 0)
-                proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
-                accepted, proposed = self._commit(run, proposal, *self._verify(run, proposal))
-                if drafter is not None:
-                    drafter.observe(run)
-                if policy:
-                    policy.update(accepted, proposed)
-                if trees:
-                    trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
-            wall = time.perf_counter() - started
-            return self._result(run, method, wall, prefill_time, policy, gamma, tree, trees)
+                batch.step()
+            return batch.result(outputs, time.perf_counter() - started, prefill_time)
         finally:
             torch.set_num_threads(threads)
 
-    def _check_request(self, method: str, gamma, max_new_tokens: int, num_return_sequences: int) -> None:
+    def _check_request(self, method: str, gamma) -> None:
         if method not in METHODS:
             raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
         if method == "draft" and self.draft is None:
@@ -256,35 +275,38 @@ class Generator:
             raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter; export with --eagle PATH")
         if gamma is not None and not 1 <= gamma <= 64:
             raise InputError(f"gamma {gamma}: must be between 1 and 64")
-        if max_new_tokens < 1 or num_return_sequences < 1:
-            raise InputError(f"max_new_tokens {max_new_tokens} and num_return_sequences {num_return_sequences} "
-                             "must be at least 1")
 
-    def _prompt_ids(self, prompt: str | None, prompt_ids, chat: bool) -> list[int]:
+    def _prompts(self, prompt, prompt_ids, chat: bool) -> list[list[int]]:
+        """The batch's prompts as token ids: one text or id list, or a list of them."""
         if (prompt is None) == (prompt_ids is None):
             raise InputError("give exactly one of prompt (text) and prompt_ids (token ids)")
-        ids = self.encode(prompt, chat) if prompt is not None else list(prompt_ids)
+        if prompt is not None:
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if not texts:
+                raise InputError("prompt: an empty list of prompts")
+            return [self.encode(t, chat) for t in texts]
+        many = bool(prompt_ids) and all(isinstance(p, (list, tuple)) for p in prompt_ids)
+        lists = [list(p) for p in prompt_ids] if many else [list(prompt_ids)]
         vocab = self.target.spec["vocab_size"]
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if not ids or bad:
-            raise InputError(f"prompt ids {bad[:5] or ids}: need at least one id, each in [0, {vocab})")
-        return ids
+        for ids in lists:
+            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
+            if not ids or bad:
+                raise InputError(f"prompt ids {bad[:5] or ids}: need at least one id, each in [0, {vocab})")
+        return lists
 
-    def _new_run(self, ids: list[int], params: SamplingParams, max_new_tokens: int, batch: int) -> _Run:
-        max_len = min(s.spec["max_seq_len"] for s in (self.target, self.draft) if s is not None)
-        if len(ids) >= max_len:
-            raise InputError(f"prompt of {len(ids)} tokens does not fit the engine's maximum sequence length "
-                             f"{max_len} (it needs room for one new token): shorten the prompt or re-export "
-                             "with a larger --max-seq-len")
-        device = self.target.device
-        tokens = np.zeros((batch, max_len), np.int64)
-        tokens[:, :len(ids)] = ids
-        lengths = np.full(batch, len(ids), np.int64)
-        stop = frozenset(self.target.spec.get("eos_token_ids", []))
-        # on the CPU the device tensors share the mirrors' memory (from_numpy); elsewhere they are copies
-        return _Run(torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device), len(ids),
-                    max_new_tokens, stop, params, params.generator(device), max_len, tokens, lengths,
-                    np.ones(batch, bool), [None] * batch)
+    @property
+    def max_len(self) -> int:
+        """The longest sequence (prompt and new tokens) that every engine of the set holds."""
+        return min(s.spec["max_seq_len"] for s in (self.target, self.draft) if s is not None)
+
+    def _pool(self, capacity: int, length: int):
+        """The target's cache for a batch: the last one made when the size repeats (a server's batches, a bench's
+        requests), else a new one."""
+        key = (capacity, length)
+        if self._last_pool is None or self._last_pool[0] != key:
+            self._last_pool = None   # let the old one go first
+            self._last_pool = (key, self.target.new_cache(capacity, length))
+        return self._last_pool[1]
 
     def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
         if method == "autoregressive":
@@ -313,31 +335,14 @@ class Generator:
             return Tree.from_paths(p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads)
         return Tree.chain_with_siblings(depth or 4, 2)
 
-    def _prefill(self, run: _Run) -> None:
-        """The prompt runs once (one row); its cache is copied to the B rows, each samples its first token."""
-        B, m, dev = run.batch, run.prompt_len, run.device
-        one = self.target.new_cache(1, run.cache_len)
-        out = self._timed(self.target, one, run.tokens[:1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
-        one.write(out.new_kv)
-        one.past_len += m
-        logits = out.logits[:, -1].expand(B, -1)                                        # (B, V)
-        run.hidden = out.hidden[:, -1].expand(B, -1).clone()                            # (B, d)
-        run.prompt_hidden = out.hidden                                                  # (1, m, d)
-        first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
-        run.cache = one
-        if B > 1:
-            run.cache = self.target.new_cache(B, run.cache_len)
-            run.cache.broadcast_row(one)
-        zero = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._commit(run, Proposal.empty(B, dev), zero, first, zero[:, None], first[:, None])
-
     def _room(self, run: _Run) -> int:
         """Tokens that every live row can still add to its cache beyond the pending one."""
         return run.max_len - int(run.host_lengths[run.active].max())
 
     def _fit_gamma(self, run: _Run, gamma: int) -> int:
-        """No more drafts than the cache has room for, or than the longest-remaining row can still emit."""
-        left = run.max_new - (int(run.host_lengths[run.active].min()) - run.prompt_len)
+        """No more drafts than the cache has room for, or than the row with the fewest tokens left can still emit."""
+        left = min(r.max_new - (int(n) - r.prompt_len) for r, n, a in zip(run.rows, run.host_lengths, run.active)
+                   if a)
         return max(0, min(gamma, self._room(run), left - 1))
 
     def _verify(self, run: _Run, proposal: Proposal):
@@ -395,88 +400,282 @@ class Generator:
         host = torch.cat([n[:, None], nxt[:, None], width[:, None], ids], 1).cpu().numpy()  # the read
         return self._account(run, host)
 
-    def _account(self, run: _Run, host: np.ndarray) -> tuple[int, int]:
-        """Host side of a commit, from the read: per row the accepted count n, the next token, the proposal width,
-        then the path's tokens (root first). Writes the mirrors (on the CPU, the device tensors themselves), the
-        stop reasons and the acceptance counts. Plain Python over the rows: for the few rows of a request it
-        costs a fraction of numpy's per-call overhead."""
-        limit = min(run.max_new + run.prompt_len, run.max_len)
+    def _account(self, run: _Run, host: np.ndarray, first: int = 0) -> tuple[int, int]:
+        """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
+        the proposal width, then the path's tokens (root first). Writes the mirrors (on the CPU, the device
+        tensors themselves), the stop reasons and the acceptance counts. Plain Python over the rows: for the
+        few rows of a batch it costs a fraction of numpy's per-call overhead."""
         accepted = proposed = 0
-        for b, (n, nxt, width, _root, *path) in enumerate(host.tolist()):
+        for b, (n, nxt, width, _root, *path) in enumerate(host.tolist(), first):
             if not run.active[b]:
                 continue
+            row = run.rows[b]
             accepted, proposed = accepted + n, proposed + width
+            row.accepted, row.proposed = row.accepted + n, row.proposed + width
             for i in range(width):
                 while len(run.per_position) <= i:
                     run.per_position.append([0, 0])
                 run.per_position[i][0] += i < n
                 run.per_position[i][1] += 1
             length = int(run.host_lengths[b])
-            new = (path[:n] + [nxt])[:limit - length]
+            new = (path[:n] + [nxt])[:min(row.max_new + row.prompt_len, run.max_len) - length]
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
             if eos is not None:
                 new = new[:eos + 1]
             run.host_tokens[b, length:length + len(new)] = new
             length += len(new)
             run.host_lengths[b] = length
-            reason = ("eos" if eos is not None else "max_new_tokens" if length - run.prompt_len >= run.max_new else
+            reason = ("eos" if eos is not None else "max_new_tokens" if length - row.prompt_len >= row.max_new else
                       "max_seq_len" if length >= run.max_len else None)
             if reason:
-                run.active[b], run.stop_reason[b] = False, reason
+                run.active[b], row.stop_reason = False, reason
         if run.device.type != "cpu":   # on the CPU the mirrors are the device tensors
             run.tokens.copy_(torch.from_numpy(run.host_tokens), non_blocking=True)
             run.lengths.copy_(torch.from_numpy(run.host_lengths), non_blocking=True)
-        run.rounds += 1
         run.accepted += accepted
         run.proposed += proposed
         return accepted, proposed
 
-    def _result(self, run: _Run, method: str, wall: float, prefill: float, policy, gamma, tree, trees) -> Generation:
-        new = [run.host_tokens[b, run.prompt_len:run.host_lengths[b]].tolist() for b in range(run.batch)]
-        total = sum(map(len, new))
-        rounds = run.rounds - 1  # the prefill emits the first token, it is not a speculation round
+    # ---- costs --------------------------------------------------------------------------------------------
+    def costs(self, batch: int = 1) -> Costs:
+        """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch
+        size, ~1 s for one row; for several rows two passes, with a line through them)."""
+        if batch not in self._batch_costs:
+            saved = self.engine_time
+            context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
+            draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
+            if batch == 1:
+                verify = {k: self.target.time_pass(context, k) for k in range(1, MAX_GAMMA + 2)}
+            else:
+                one, most = (self.target.time_pass(context, k, batch=batch) for k in (1, MAX_GAMMA + 1))
+                verify = {k: one + (most - one) * (k - 1) / MAX_GAMMA for k in range(1, MAX_GAMMA + 2)}
+            self._batch_costs[batch] = Costs(draft, verify)
+            self.engine_time = saved
+        return self._batch_costs[batch]
+
+
+class Batch:
+    """Sequences decoded together, round by round, over one set of engines (continuous batching): `add` a
+    request's prompt between rounds (it is prefilled on its own and joins the next round), `step` runs one round
+    over the live rows, `retire` takes the finished ones out and frees their rows. The rows share the method and
+    the sampling options; each has its own prompt, length, acceptance and stop. Speculation follows the batch
+    size: with several rows live, a round speculates only where the measured pass times at that size say a
+    verify pass still pays for the tokens it adds (on a CPU it stops being nearly free within a few rows), and
+    the stats count rounds by batch size. generate() and `specrt serve` are built on it."""
+
+    def __init__(self, gen: Generator, capacity: int, cache_len: int | None = None, *, method: str = "autoregressive",
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
+                 tree_choices=None, adaptive: bool = True):
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        gen._check_request(method, gamma)
+        if capacity < 1:
+            raise InputError(f"batch capacity {capacity}: must be at least 1")
+        self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
+        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
+        self.tree = getattr(self.drafter, "tree", None)
+        max_len = gen.max_len
+        margin = self.tree.size if self.tree is not None else (gamma or MAX_GAMMA) + 1
+        cache_len = min(max_len, (cache_len or max_len) + margin)
+        self.policy = GammaPolicy(gen.costs(), MAX_GAMMA) if self.drafter and adaptive and gamma is None and \
+            self.tree is None else None
+        self.trees = TreePolicy() if self.tree is not None and adaptive else None
+        self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
+                        gen._pool(capacity, cache_len))
+        gen.engine_time = 0.0
+
+    # ---- rows in and out ----------------------------------------------------------------------------------
+    def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+        """A request joins: its prompt is prefilled on its own in the next free row (copied to `copies` rows, the
+        request's sequences), each row samples its first token. `owner`: the caller's handle for the rows, or a
+        sequence of one per row."""
+        run, gen = self.run, self.gen
+        m, dev = len(ids), run.device
+        if m >= run.max_len:
+            raise InputError(f"prompt of {m} tokens does not fit the engine's maximum sequence length {run.max_len} "
+                             "(it needs room for one new token): shorten the prompt or re-export with a larger "
+                             "--max-seq-len")
+        if m >= run.cache_len or max_new_tokens < 1:
+            raise InputError(f"prompt of {m} tokens and max_new_tokens {max_new_tokens}: the batch holds "
+                             f"{run.cache_len} positions per row, and at least one new token is needed")
+        if run.batch + copies > run.capacity:
+            raise InputError(f"{copies} more sequences do not fit the batch: {run.batch} of {run.capacity} rows "
+                             "are taken")
+        owners = list(owner) if isinstance(owner, (list, tuple, range)) else [owner] * copies
+        r = run.batch
+        run.rows += [_Row(o, m, max_new_tokens) for o in owners]
+        run.resize(r + copies)
+        run.host_tokens[r:, :m] = ids
+        run.host_lengths[r:], run.active[r:] = m, True
+        if dev.type != "cpu":
+            run.tokens[r:].copy_(torch.from_numpy(run.host_tokens[r:]))
+            run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
+        one = run.pool.row(r)
+        one.truncate(0)
+        out = gen._timed(gen.target, one, run.tokens[r:r + 1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
+        one.write(out.new_kv)
+        one.past_len += m
+        for c in range(1, copies):
+            run.pool.copy_row(r, r + c, m)
+        logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
+        first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        hidden = out.hidden[:, -1].expand(copies, -1)
+        run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
+        run.prompt_hidden = out.hidden                                                  # (1, m, d)
+        if self.drafter is not None:
+            self.drafter.join(run, r, copies)
+        zero = torch.zeros(copies, 1, dtype=torch.int64, device=dev)
+        gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).cpu().numpy(), first=r)
+
+    def cancel(self, which: Callable[[object], bool]) -> None:
+        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them."""
+        for b, row in enumerate(self.run.rows):
+            if which(row.owner) and self.run.active[b]:
+                self.run.active[b], row.stop_reason = False, "cancelled"
+
+    def retire(self) -> list[tuple[_Row, list[int]]]:
+        """The finished rows and their new tokens, taken out of the batch: the last live rows move into the freed
+        ones (their caches, the drafter's state and the host rows), so that the live rows stay first."""
+        run = self.run
+        done = [b for b in range(run.batch) if not run.active[b]]
+        if not done:
+            return []
+        finished = [(run.rows[b], run.output(b)) for b in done]
+        live = [b for b in range(run.batch) if run.active[b]]
+        n = len(live)
+        hidden = run.hidden.clone()
+        for dst, src in zip((b for b in done if b < n), (b for b in live if b >= n)):
+            count = int(run.host_lengths[src])
+            run.pool.copy_row(src, dst, count)
+            run.host_tokens[dst, :count] = run.host_tokens[src, :count]
+            run.host_lengths[dst], run.active[dst], run.rows[dst] = count, True, run.rows[src]
+            hidden[dst] = hidden[src]
+            if self.drafter is not None:
+                self.drafter.move(src, dst, count)
+        run.active[n:] = False
+        del run.rows[n:]
+        run.hidden = hidden[:n]
+        run.resize(n)
+        if run.device.type != "cpu" and n:
+            run.tokens.copy_(torch.from_numpy(run.host_tokens))
+            run.lengths.copy_(torch.from_numpy(run.host_lengths))
+        return finished
+
+    # ---- a round ------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One round over the live rows: propose, verify, accept, commit."""
+        run, gen, drafter, tree = self.run, self.gen, self.drafter, self.tree
+        if not run.active.any():
+            return
+        began, live, n = time.perf_counter(), int(run.active.sum()), run.batch
+        timed = True
+        if tree is not None:   # a tree round needs cache room for the whole tree, else a plain step
+            g = tree.max_depth if gen._room(run) >= tree.size - 1 else 0
+            if g and self.trees is not None:
+                timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time
+                g = g if timed and self.trees.choose() else 0
+        else:
+            if self.policy is not None:
+                self.policy.costs = gen.costs(min(n, MAX_MEASURED_BATCH))
+            g = gen._fit_gamma(run, (self.policy.choose() if self.policy else self.gamma or MAX_GAMMA)
+                               if drafter else 0)
+        proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
+        taking_part = [row for row, a in zip(run.rows, run.active) if a]
+        accepted, proposed = gen._commit(run, proposal, *gen._verify(run, proposal))
+        if drafter is not None:
+            drafter.observe(run)
+        run.rounds += 1
+        for row in taking_part:
+            row.rounds += 1
+        counts = run.by_batch.setdefault(n, [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + (g > 0)
+        if self.policy:
+            self.policy.update(accepted, proposed)
+        if self.trees and timed:
+            self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+
+    def _tree_pays(self, n: int) -> bool:
+        """With n rows live, whether a tree's verify pass (n × its size) costs less than the tokens it adds: the
+        tokens per tree round measured so far (2 before any), against the pass times measured at that size."""
+        if n == 1:
+            return True
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH))
+        tokens = self.trees.mean("tokens") if self.trees.tree_rounds > 1 else 2.0
+        return tokens * costs.pass_time(1) >= costs.pass_time(self.tree.size)
+
+    # ---- results ------------------------------------------------------------------------------------------
+    def row_stats(self, row: _Row, tokens: int) -> dict:
+        """One sequence's figures (the server's per-request `specrt` field)."""
+        return {"method": self.method, "tokens": tokens, "rounds": row.rounds,
+                "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
+                "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
+                "stop_reason": row.stop_reason}
+
+    def stats(self) -> dict:
+        """The batch's figures since it began."""
+        run = self.run
         stats = {
-            "method": method,
-            "tokens": total,
-            "rounds": rounds,
+            "method": self.method,
+            "rounds": run.rounds,
             "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
-            "mean_tokens_per_round": (total - run.batch) / (rounds * run.batch) if rounds else None,
             "acceptance_per_position": [a / p for a, p in run.per_position],
-            "tokens_per_s": total / wall if wall > 0 else None,
-            "engine_time_s": self.engine_time,
-            "loop_time_s": wall - self.engine_time,
-            "prefill_time_s": prefill,
-            "stop_reason": run.stop_reason[0] if run.batch == 1 else None,
-            "stop_reasons": run.stop_reason,
-            "gamma": gamma if gamma is not None else (policy.chosen[-1] if policy and policy.chosen else None),
+            "engine_time_s": self.gen.engine_time,
+            "gamma": self.gamma if self.gamma is not None else (
+                self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
+            "batch_rounds": {n: {"rounds": r, "speculative": s} for n, (r, s) in sorted(run.by_batch.items())},
         }
+        tree, trees, policy = self.tree, self.trees, self.policy
         if tree is not None:
             stats.update(tree_size=tree.size - 1, tree_depth=tree.max_depth, gamma=tree.max_depth,
                          mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
         if trees is not None:
-            stats.update(tree_rounds=trees.tree_rounds, plain_rounds=trees.plain_rounds)
+            stats.update(tree_rounds=trees.tree_rounds, plain_rounds=run.rounds - trees.tree_rounds)
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
             stats["plain_rounds"] = policy.chosen.count(0)
-        if method == "draft" or policy is not None:
-            costs = self.costs()
+        if self.method == "draft" or policy is not None:
+            costs = self.gen.costs()
             alpha = stats["acceptance_rate"]
             g = stats["gamma"] or 1
-            stats["cost_ratio_c"] = costs.c if method == "draft" else 0.0
+            stats["cost_ratio_c"] = costs.c if self.method == "draft" else 0.0
             stats["predicted_speedup"] = costs.predicted_speedup(alpha, g) if alpha is not None else None
+        return stats
+
+    def result(self, outputs: list[tuple[_Row, list[int]]], wall: float, prefill: float) -> Generation:
+        """generate()'s Generation from the retired rows, in the callers' order."""
+        rows, new = [r for r, _ in outputs], [t for _, t in outputs]
+        total, row_rounds = sum(map(len, new)), sum(r.rounds for r in rows)
+        stats = {"tokens": total, **self.stats(),
+                 "mean_tokens_per_round": (total - len(rows)) / row_rounds if row_rounds else None,
+                 "tokens_per_s": total / wall if wall > 0 else None,
+                 "loop_time_s": wall - self.gen.engine_time,
+                 "prefill_time_s": prefill,
+                 "stop_reason": rows[0].stop_reason if len(rows) == 1 else None,
+                 "stop_reasons": [r.stop_reason for r in rows]}
         text = None
-        if self.tokenizer is not None:
-            text = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new]
+        if self.gen.tokenizer is not None:
+            text = [self.gen.tokenizer.decode(t, skip_special_tokens=True) for t in new]
         return Generation(new, text, stats)
 
-    # ---- costs --------------------------------------------------------------------------------------------
-    def costs(self) -> Costs:
-        """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens on this machine (once, ~1 s)."""
-        if self._costs is None:
-            saved = self.engine_time
-            context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
-            verify = {k: self.target.time_pass(context, k) for k in range(1, MAX_GAMMA + 2)}
-            draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
-            self._costs = Costs(draft, verify)
-            self.engine_time = saved
-        return self._costs
+
+class Detokenizer:
+    """Text of a growing token sequence, piece by piece: a multi-byte character split across tokens waits for its
+    last byte."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def feed(self, ids: list[int], final: bool = False) -> str | None:
+        """The text the new ids complete (None without a tokenizer)."""
+        self.ids += ids
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        new, self.shown = text[len(self.shown):], text
+        return new

@@ -42,11 +42,35 @@ class KVCache:
         by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
         by_row[rows, dst] = by_row[rows, src]                             # the right side is a copy
 
-    def broadcast_row(self, src: "KVCache") -> None:
-        """Fill every row from row 0 of a one-row cache (a prompt prefilled once for B sequences)."""
-        n = int(src.past_len[0])
-        self.data[:, :, :, :n] = src.data[:, :1, :, :n]
-        self.past_len[:] = n
+    @property
+    def batch(self) -> int:
+        return self.data.shape[1]
+
+    def prefix(self, n: int) -> "KVCache":
+        """A cache over rows 0..n−1 that shares this one's buffers (the live rows of a batch; the cache itself when
+        n is all of them). Made once per n: an engine rebinds a cache only when it gets another object."""
+        if n == self.batch:
+            return self
+        views = self.__dict__.setdefault("_views", {})
+        if n not in views:
+            views[n] = self._view(slice(0, n))
+        return views[n]
+
+    def row(self, r: int) -> "KVCache":
+        """Row r alone, sharing this cache's buffers (a request's prefill); the cache itself when it has one row."""
+        return self if self.batch == 1 else self._view(slice(r, r + 1))
+
+    def _view(self, rows: slice) -> "KVCache":
+        view = KVCache.__new__(KVCache)
+        view.data, view.past_len, view.length = self.data[:, rows], self.past_len[rows], self.length
+        return view
+
+    def copy_row(self, src: int, dst: int, count: int) -> None:
+        """Row dst takes row src's first `count` slots and its past_len (a batch compacting its rows, or a
+        prompt prefilled once for several sequences)."""
+        count = min(count, self.length)
+        self.data[:, dst, :, :count] = self.data[:, src, :, :count]
+        self.past_len[dst] = self.past_len[src]
 
     def truncate(self, length: int | torch.Tensor) -> None:
         """O(1) rollback: only the index moves."""

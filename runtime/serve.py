@@ -1,21 +1,26 @@
 """An OpenAI-compatible HTTP API over one Generator: `specrt serve ENGINES`.
 
-The engines are not thread-safe, so every piece of work that touches the generator (tokenizing, generating) runs
-on one worker thread, request after request; the handlers are async and only wait for it. A stream runs on the
-worker round by round into a queue and stops at the next round once its client has gone (or a stop string came).
+Requests are decoded together (continuous batching): one scheduler thread owns the engines and runs a batch
+(generate.Batch) round after round; a request that arrives joins the running batch at the next round boundary
+when a row is free and its options match the batch's (method and sampling; a greedy request matches any greedy
+batch of its method), and leaves it when it finishes, when its client has gone or when a stop string came. A
+request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
+thread of their own and wait for the scheduler's events.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,11 +28,12 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.generate import METHODS, Chunk, Generator
+from specrt.generate import METHODS, Batch, Detokenizer, Generator
 
 log = logging.getLogger("specrt.serve")
 
@@ -128,24 +134,160 @@ def _finish(stop_reason: str | None) -> str:
     return "stop" if stop_reason == "eos" else "length"
 
 
+# ---- the scheduler -------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's sequences in the scheduler. Its events, through `put`: ("tokens", index, ids, text) as rounds
+    add tokens, ("end", index, stop reason, text, stats) when sequence `index` ends (the text a split character
+    held back), or an exception."""
+    ids: list[int]
+    options: dict                      # generate()'s keyword arguments
+    copies: int
+    put: Callable
+    gone: threading.Event = field(default_factory=threading.Event)   # the request has ended: free its rows
+    texts: list = field(default_factory=list)
+
+    @property
+    def key(self):
+        """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
+        ignores top-k and top-p). A seeded request runs in a batch of its own, so that its seed reproduces it."""
+        o = self.options
+        sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"])
+        if o["seed"] is not None:
+            sampling = (self,)
+        return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
+
+
+class Scheduler:
+    """The one thread that touches the engines: admits waiting jobs into the running batch at round boundaries,
+    runs rounds, hands each job its new tokens and retires finished rows."""
+
+    def __init__(self, gen: Generator, capacity: int):
+        self.gen, self.capacity = gen, capacity
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.ready = threading.Condition()
+        self.batch: Batch | None = None
+        self.key = None
+        self.closing = False
+        self.thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.ready:
+            self.waiting.append(job)
+            self.ready.notify()
+
+    def close(self) -> None:
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
+        self.thread.join(timeout=30)
+
+    @property
+    def live(self) -> int:
+        return self.batch.run.batch if self.batch is not None else 0
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)   # the loop's own tensors are small (the engines keep their thread pools)
+        while True:
+            with self.ready:
+                while not self.closing and not self.waiting and not self.live:
+                    self.ready.wait()
+                if self.closing:
+                    return
+                admit = self._admissible()
+            for job in admit:
+                self._admit(job)
+            if self.live:
+                try:
+                    self.batch.step()
+                except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
+                    log.exception("a round failed; its requests are answered with the error")
+                    for job in {row.owner[0] for row in self.batch.run.rows}:
+                        job.put(e)
+                    self.batch = None
+                    continue
+            self._dispatch()
+
+    def _admissible(self) -> list[Job]:
+        """Waiting jobs that join now: from the oldest, while they match the batch and fit. Once a batch has
+        drained, the oldest waiting job's options decide the next (the same batch when they match it)."""
+        if not self.live and self.waiting:
+            first = self.waiting[0]
+            if self.batch is not None and (first.key != self.key or first.copies > self.batch.run.capacity):
+                self.batch, self.key = None, None
+        admit = []
+        free = (self.batch.run.capacity if self.batch is not None else
+                max(self.capacity, self.waiting[0].copies if self.waiting else 0)) - self.live
+        while self.waiting and self.waiting[0].copies <= free and self.key in (None, self.waiting[0].key):
+            job = self.waiting.popleft()
+            if job.gone.is_set():
+                continue
+            self.key, free = job.key, free - job.copies
+            admit.append(job)
+        return admit
+
+    def _admit(self, job: Job) -> None:
+        o = job.options
+        try:
+            if self.batch is None:
+                self.batch = self.gen.batch(max(self.capacity, job.copies), method=o["method"],
+                                            temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"],
+                                            seed=o["seed"], gamma=o["gamma"], tree=o["tree"], adaptive=o["adaptive"])
+            job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
+            self.batch.add(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
+                           copies=job.copies)
+        except Exception as e:   # noqa: BLE001 -- answered to the request (an InputError is a 400)
+            job.put(e)
+
+    def _dispatch(self) -> None:
+        """New tokens to their jobs; rows of jobs that have gone are cancelled; finished rows retired."""
+        batch = self.batch
+        if batch is None:
+            return
+        run = batch.run
+        for b, row in enumerate(run.rows):
+            job, index = row.owner
+            ids = run.new_tokens(b)
+            if ids:
+                job.put(("tokens", index, ids, job.texts[index].feed(ids)))
+        batch.cancel(lambda owner: owner[0].gone.is_set())
+        for row, tokens in batch.retire():
+            job, index = row.owner
+            if row.stop_reason == "cancelled":
+                log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
+                         "string)", len(tokens))
+            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.stats()["batch_rounds"]}
+            job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
+
+
 # ---- the server ----------------------------------------------------------------------------------------------------
 
 
 class Server:
-    """One generator, one worker thread, the answers."""
+    """One generator, its scheduler, the answers."""
 
-    def __init__(self, gen: Generator, model_name: str, method: str = "autoregressive"):
+    def __init__(self, gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8):
         self.gen, self.model_name = gen, model_name
         self.methods = [m for m in METHODS if m in ("autoregressive", "ngram") or getattr(gen, m) is not None]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
+        if max_batch < 1:
+            raise InputError(f"max batch {max_batch}: must be at least 1")
         self.method = method
-        self.max_len = min(e.spec["max_seq_len"] for e in (gen.target, gen.draft) if e is not None)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="specrt-generate")
+        self.max_len = gen.max_len
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
+        self.scheduler = Scheduler(gen, max_batch)
 
     async def call(self, fn: Callable, *args):
-        """fn(*args) on the worker, in turn with every other request's work."""
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests --------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -197,10 +339,10 @@ class Server:
                     method=method, gamma=req.specrt.gamma, tree=req.specrt.tree, adaptive=req.specrt.adaptive)
 
     # ---- generation ------------------------------------------------------------------------------------------
-    async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
-        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None). Runs
-        gen.stream on the worker; leaving early (client gone, stop string) stops it at the next round."""
-        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+    async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
+        """The scheduler's events for one request, until all its sequences have ended. Leaving early (client gone,
+        stop string) frees its rows at the next round."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def put(item):
             try:
@@ -208,68 +350,72 @@ class Server:
             except RuntimeError:   # the event loop has closed: nobody is listening
                 pass
 
-        self.worker.submit(_produce, self.gen.stream(prompt_ids=ids, **options), put, stop)
-        text = StopText(stops)
+        job = Job(ids, options, copies, put)
+        self.scheduler.submit(job)
+        ended = 0
         try:
-            while (chunk := await queue.get()) is not None:
-                if isinstance(chunk, Exception):
-                    raise chunk
-                new, stopped = text.feed(chunk.text or "")
-                if stopped:
-                    yield new, chunk.token_ids, "stop", None
-                    return
-                if chunk.stats is not None:
-                    yield new + text.flush(), chunk.token_ids, _finish(chunk.stats["stop_reason"]), chunk.stats
-                    return
-                yield new, chunk.token_ids, None, None
+            while ended < copies:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                ended += event[0] == "end"
+                yield event
         finally:
-            stop.set()
+            job.gone.set()
+
+    async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
+        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None)."""
+        text, events = StopText(stops), self.events(ids, options, 1)
+        try:
+            async for kind, _, *rest in events:
+                if kind == "tokens":
+                    new_ids, new = rest
+                    new, stopped = text.feed(new or "")
+                    yield new, new_ids, "stop" if stopped else None, None
+                    if stopped:
+                        return
+                else:
+                    reason, tail, stats = rest
+                    new, stopped = text.feed(tail or "")
+                    yield (new if stopped else new + text.flush()), [], "stop" if stopped else _finish(reason), stats
+                    return
+        finally:
+            await events.aclose()
 
     async def answer(self, req: _Request, ids: list[int], options: dict, chat: bool):
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
         if req.n > 1:
-            out = await self.call(lambda: self.gen.generate(prompt_ids=ids, num_return_sequences=req.n, **options))
+            texts, tokens, ends = [[] for _ in range(req.n)], [[] for _ in range(req.n)], {}
+            async for kind, i, *rest in self.events(ids, options, req.n):
+                if kind == "tokens":
+                    tokens[i] += rest[0]
+                    texts[i].append(rest[1] or "")
+                else:
+                    texts[i].append(rest[1] or "")
+                    ends[i] = (rest[0], rest[2])
             choices = []
-            for i, tokens in enumerate(out.token_ids):
+            for i in range(req.n):
                 text = StopText(stops)
-                cut, stopped = text.feed(out.text[i] if out.text else "")
-                reason = "stop" if stopped else _finish(out.stats["stop_reasons"][i])
-                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens, reason))
+                cut, stopped = text.feed("".join(texts[i]))
+                reason = "stop" if stopped else _finish(ends[i][0])
+                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": _usage(ids, sum(map(len, out.token_ids))), "specrt": out.stats}
+                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": options["method"], "choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_events(first, pieces, head, chat, ids, usage), media_type="text/event-stream")
         texts, tokens, reason, stats = [first[0]], list(first[1]), first[2], first[3]
-        async for text, new, reason, stats in pieces:
-            texts.append(text)
-            tokens += new
+        if reason is None:
+            async for text, new, reason, stats in pieces:
+                texts.append(text)
+                tokens += new
         choice = _choice(chat, 0, "".join(texts), tokens, reason)
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": _usage(ids, len(tokens)), "specrt": stats}
-
-
-def _produce(chunks: Iterator[Chunk], put: Callable, stop: threading.Event) -> None:
-    """On the worker: a stream's chunks into put(), then None; stops after the round in which `stop` is set."""
-    tokens = 0
-    try:
-        if not stop.is_set():
-            for chunk in chunks:
-                put(chunk)
-                tokens += len(chunk.token_ids)
-                if stop.is_set() and chunk.stats is None:   # the request ended before its generation
-                    log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
-                             "string)", tokens)
-                    break
-    except Exception as e:   # noqa: BLE001 -- handed to the request, which answers it
-        put(e)
-    finally:
-        chunks.close()
-        put(None)
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
@@ -306,8 +452,9 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
     chunk when asked, then [DONE]."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
-    def event(choices: list, usage: dict | None = None) -> str:
-        body = {**head, "choices": choices, **({"usage": usage} if include_usage else {})}
+    def event(choices: list, usage: dict | None = None, stats: dict | None = None) -> str:
+        body = {**head, "choices": choices, **({"usage": usage} if include_usage else {}),
+                **({"specrt": stats} if stats else {})}
         return f"data: {json.dumps(body)}\n\n"
 
     if chat:
@@ -317,12 +464,12 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
     try:
         piece = first
         while True:
-            text, tokens, reason, _ = piece
+            text, tokens, reason, stats = piece
             count += len(tokens)
             if text or tokens:
                 yield event([_choice(chat, 0, text, tokens, None, delta=True)])
-            if reason is not None:
-                yield event([_choice(chat, 0, None if chat else "", [], reason, delta=True)])
+            if reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
+                yield event([_choice(chat, 0, None if chat else "", [], reason, delta=True)], stats=stats)
                 break
             piece = await anext(pieces)
         if include_usage:
@@ -337,13 +484,13 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
 # ---- the app -------------------------------------------------------------------------------------------------------
 
 
-def create_app(gen: Generator, model_name: str, method: str = "autoregressive") -> FastAPI:
-    server = Server(gen, model_name, method)
+def create_app(gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8) -> FastAPI:
+    server = Server(gen, model_name, method, max_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.worker.shutdown(wait=False, cancel_futures=True)
+        server.close()
 
     app = FastAPI(title="specrt", lifespan=lifespan)
     app.state.server = server
@@ -377,7 +524,8 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive") 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_name}
+        return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
+                "waiting": len(server.scheduler.waiting)}
 
     @app.get("/v1/models")
     async def models():
@@ -402,11 +550,12 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive") 
 
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          method: str = "autoregressive", device: str = "auto", threads: int | None = None) -> None:
+          method: str = "autoregressive", device: str = "auto", threads: int | None = None,
+          max_batch: int = 8) -> None:
     """Load ENGINES and serve them until interrupted."""
     import uvicorn
     gen = Generator.from_engines(engines, device=device, threads=threads)
-    app = create_app(gen, model_name or Path(engines).resolve().name, method)
+    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
     uvicorn.run(app, host=host, port=port, log_config=logs)

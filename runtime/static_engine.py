@@ -115,8 +115,10 @@ class StaticWidthEngine:
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
         return OrtEngine.run_sequence(self, ids, num_logits)
 
-    def time_pass(self, context: int, k: int, reps: int = 3) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
         """As OrtEngine.time_pass, on the static cache; a run that holds it keeps its past_len."""
+        if batch > 1:
+            return self.dynamic.time_pass(context, k, reps, batch)
         kept = self.cache.past_len.clone()
         try:
             return OrtEngine.time_pass(self, context, k, reps)

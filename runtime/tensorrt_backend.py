@@ -163,15 +163,16 @@ class TensorRTEngine:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def time_pass(self, context: int, k: int, reps: int = 3) -> float:
-        """Best-of-`reps` seconds of one pass over k tokens after `context` cached positions (synchronised)."""
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+        """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached positions
+        (synchronised)."""
         from specrt.adaptive import measure
         from specrt.drafters import chain_mask
-        cache = self.new_cache(1, context + k)
+        cache = self.new_cache(batch, context + k)
         cache.truncate(max(context, 0))
-        ids = torch.zeros(1, k, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
         pos = (cache.past_len[:, None] + torch.arange(k, device=self.device)).contiguous()
-        mask = chain_mask(1, k, self.device)
+        mask = chain_mask(batch, k, self.device)
         stream = torch.cuda.current_stream(self.device)
 
         def one_pass():

@@ -86,32 +86,47 @@ def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     assert accepted > 0 or shape["top_k"] == 1   # accepted paths (and their cache compaction) ran
 
 
-@pytest.mark.parametrize("plain_every", [0, 2, 3], ids=["trees", "plain-every-2", "plain-every-3"])
+@pytest.mark.parametrize("plain_every", [0, 2, 3, "moved"], ids=["trees", "plain-every-2", "plain-every-3",
+                                                             "moved-row"])
 def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, plain_every):
     """The cache invariant: slot t holds what the drafter computes from the target's feature at position t
     and token t + 1 (checked against the eager drafter over the target's features of the final sequence),
-    also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds."""
+    also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds, and
+    for a request that joined a running batch and moved to a freed row when the one before it finished."""
     gen, model, tmp = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
-    seen, rounds = [], iter(range(1000))
-    start = EagleDrafter.start
-    monkeypatch.setattr(EagleDrafter, "start", lambda self, run: (seen.append(self), start(self, run))[1])
-    if plain_every:
-        monkeypatch.setattr(TreePolicy, "choose", lambda self: next(rounds) % plain_every == 0)
     prompt = [3, 9, 1, 4, 1]
-    out = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="eagle", adaptive=bool(plain_every))
-    assert out.stats.get("plain_rounds", 0) >= (3 if plain_every else 0)
-    drafter, tokens = seen[0], torch.tensor([prompt + out.token_ids[0]])
-    P = int(drafter.cache.past_len[0])
-    assert out.stats["rounds"] >= 2 and P >= len(prompt) + out.stats["rounds"] - 1
+    if plain_every == "moved":
+        batch = gen.batch(2, method="eagle", adaptive=False)
+        batch.add([5, 2, 8], 4, owner="first")
+        batch.add(prompt, 14, owner="second")
+        done = {}
+        while batch.run.batch:
+            batch.step()
+            for row, tokens in batch.retire():
+                done[row.owner] = (row, tokens)
+                assert row.owner == "second" or batch.run.rows[0].owner == "second"   # it moved to row 0
+        drafter, new, rounds = batch.drafter, done["second"][1], done["second"][0].rounds
+    else:
+        seen, steps = [], iter(range(1000))
+        join = EagleDrafter.join
+        monkeypatch.setattr(EagleDrafter, "join", lambda self, *a: (seen.append(self), join(self, *a))[1])
+        if plain_every:
+            monkeypatch.setattr(TreePolicy, "choose", lambda self: next(steps) % plain_every == 0)
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="eagle", adaptive=bool(plain_every))
+        assert out.stats.get("plain_rounds", 0) >= (3 if plain_every else 0)
+        drafter, new, rounds = seen[0], out.token_ids[0], out.stats["rounds"]
+    tokens = torch.tensor([prompt + new])
+    P = int(drafter.pool.past_len[0])
+    assert rounds >= 2 and P >= len(prompt) + rounds - 1
     eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
     with torch.no_grad():
         feats = model.model(tokens).last_hidden_state                               # (1, n, d) after the norm
         empty = torch.zeros(1, eager.args.num_kv_heads, 1, eager.args.head_dim)
         _, _, k, v = eager(tokens[:, 1:P + 1], torch.arange(P)[None], torch.zeros(1, dtype=torch.int64),
                            chain_mask(1, P), torch.tensor([1]), feats[:, :P], empty, empty)
-    assert torch.allclose(drafter.cache.data[0, 0, :, :P], k[0], atol=1e-4)
-    assert torch.allclose(drafter.cache.data[1, 0, :, :P], v[0], atol=1e-4)
+    assert torch.allclose(drafter.pool.data[0, 0, :, :P], k[0], atol=1e-4)
+    assert torch.allclose(drafter.pool.data[1, 0, :, :P], v[0], atol=1e-4)
 
 
 def test_batch_rows_share_the_tree_shape(eagle_pair):

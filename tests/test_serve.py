@@ -15,7 +15,8 @@ from contextlib import contextmanager
 import openai
 import pytest
 
-from conftest import export_tiny_with_heads
+from conftest import export_tiny_with_heads, load_prompts
+from greedy_check import assert_same_or_tie
 from specrt.generate import Generator
 from specrt.serve import StopText
 
@@ -24,7 +25,7 @@ VOCAB, MAX_LEN = 128, 256
 
 @contextmanager
 def running_server(engines, log_path, *args):
-    """`specrt serve ENGINES` on a free port until /health answers; yields (base url, log path)."""
+    """`specrt serve ENGINES` on a free port until /health answers; yields (base url, the server's process id)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -43,7 +44,7 @@ def running_server(engines, log_path, *args):
                         break
             except OSError:
                 time.sleep(0.3)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -86,12 +87,12 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     directory, _ = export_tiny_with_heads(tmp, VOCAB, num_heads=3, max_seq_len=MAX_LEN)
     log = tmp / "server.log"
-    with running_server(directory, log, "--model-name", "tiny", "--threads", "1") as url:
-        yield Generator.from_engines(directory, threads=1), url, log
+    with running_server(directory, log, "--model-name", "tiny", "--threads", "1") as (url, pid):
+        yield Generator.from_engines(directory, threads=1), url, log, pid
 
 
 def test_models_and_completion(tiny):
-    gen, url, _ = tiny
+    gen, url, *_ = tiny
     api = client(url)
     assert [m.id for m in api.models.list().data] == ["tiny"]
     out = api.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0)
@@ -109,9 +110,36 @@ def test_models_and_completion(tiny):
     assert out.usage.completion_tokens == 18 and out.specrt["method"] == "draft"
 
 
-def test_concurrent_streams_in_turn(tiny):
-    """Four streams at once with different prompts and methods: each the greedy output of a lone generate."""
-    gen, url, _ = tiny
+def test_concurrent_streams_join_one_batch(tiny):
+    """Eight streams at once with different prompts: they are decoded together (the server's figures show rounds
+    of several rows), each is the greedy output of a lone generate."""
+    gen, url, *_ = tiny
+    api = client(url)
+    prompts = [[1 + i, 2 * i + 3, 5, i, 7 + i][: 2 + i % 4] for i in range(8)]
+
+    def run(prompt):
+        stream = api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"specrt": {"method": "draft"}})
+        ids, reason, usage, stats = [], None, None, None
+        for chunk in stream:
+            usage, stats = chunk.usage or usage, getattr(chunk, "specrt", None) or stats
+            for choice in chunk.choices:
+                ids += choice.token_ids
+                reason = choice.finish_reason or reason
+        return ids, reason, usage, stats
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, prompts))
+    for prompt, (ids, reason, usage, stats) in zip(prompts, results):
+        assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft").token_ids[0], prompt
+        assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
+        assert stats["method"] == "draft" and stats["tokens"] == 24
+    sizes = {int(n) for r in results for n in r[3]["batch_rounds"]}
+    assert max(sizes) >= 2, f"the streams were never decoded together: rounds by batch size {sizes}"
+
+
+def test_requests_of_other_methods_wait_their_turn(tiny):
+    gen, url, *_ = tiny
     api = client(url)
     jobs = [([1, 2, 3, 1, 2, 3], "autoregressive"), ([7, 8, 9, 10], "draft"), ([4, 5, 4, 5, 4], "ngram"),
             ([11, 12], "medusa")]
@@ -127,6 +155,38 @@ def test_concurrent_streams_in_turn(tiny):
     for (prompt, method), (ids, reason, usage) in zip(jobs, results):
         assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method=method).token_ids[0], method
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_memory_flat_over_500_requests(tiny):
+    """500 requests, 8 at a time, half of them streamed and a tenth closed early: the server's resident memory
+    after them is within a few MB of what it was after the first 100."""
+    gen, url, _, pid = tiny
+    api = client(url)
+
+    def run(i):
+        prompt = [1 + i % 50, 2 + i % 7, 3]
+        if i % 2:
+            stream = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True)
+            for n, _ in enumerate(stream):
+                if i % 10 == 1 and n == 1:
+                    stream.close()
+                    break
+        else:
+            api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                   extra_body={"specrt": {"method": ("draft", "ngram")[i % 4 // 2]}})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(run, range(100)))
+        warm = rss_mb(pid)
+        list(pool.map(run, range(100, 500)))
+    grown = rss_mb(pid) - warm
+    print(f"server memory after 100 requests {warm:.1f} MB, after 500 {warm + grown:.1f} MB")
+    assert grown < 16, f"the server's memory grew by {grown:.1f} MB over 400 requests"
 
 
 BAD = [  # (body, status, the field the message must name)
@@ -148,7 +208,7 @@ BAD = [  # (body, status, the field the message must name)
 
 
 def test_bad_input_answered_and_server_keeps_serving(tiny):
-    gen, url, _ = tiny
+    gen, url, *_ = tiny
     for body, status, field in BAD:
         code, doc = post(url + "/v1/completions", body)
         assert code == status, (body, doc)
@@ -167,7 +227,7 @@ def test_bad_input_answered_and_server_keeps_serving(tiny):
 
 
 def test_closed_stream_stops_its_generation(tiny):
-    gen, url, log = tiny
+    gen, url, log, _ = tiny
     api = client(url)
     stream = api.completions.create(model="tiny", prompt=[1, 2], max_tokens=MAX_LEN - 3, temperature=0,
                                     stream=True)
@@ -197,7 +257,7 @@ def test_stop_text():
 @pytest.fixture(scope="module")
 def smol(default_engines, default_generator, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-default") / "server.log"
-    with running_server(default_engines, log, "--method", "medusa") as url:
+    with running_server(default_engines, log, "--method", "medusa") as (url, _):
         yield default_generator, url
 
 
@@ -257,3 +317,32 @@ def test_chat_streams_and_completion(smol):
     chunks = list(api.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
                                          stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_eight_concurrent_chats_equal_lone_runs(smol, smollm2):
+    """Eight different chat prompts streamed at once through the server's batch (Medusa): each the output of a
+    lone generate of the same prompt and method (near ties reported with their logit gap)."""
+    gen, url = smol
+    api = client(url)
+    prompts = load_prompts(8)
+
+    def run(prompt):
+        stream = api.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=24, temperature=0, stream=True)
+        ids, stats = [], None
+        for chunk in stream:
+            stats = getattr(chunk, "specrt", None) or stats
+            for choice in chunk.choices:
+                ids += choice.token_ids or []
+        return ids, stats
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, prompts))
+    ties = []
+    for prompt, (ids, stats) in zip(prompts, results):
+        want = gen.generate(prompt_ids=gen.encode(prompt), max_new_tokens=24, method="medusa").token_ids[0]
+        assert_same_or_tie(ids, want, gen.encode(prompt), smollm2.model, ties)
+        assert stats["method"] == "medusa"
+    assert len(ties) <= 1, f"too many near ties to be chance: {ties}"
+    assert max(int(n) for _, stats in results for n in stats["batch_rounds"]) >= 2

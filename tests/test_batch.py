@@ -1,0 +1,97 @@
+"""Batches of different prompts: ragged prompt lengths and acceptance, rows that finish on their own and free
+their row, requests that join a running batch (continuous batching), every method. Each row's greedy output is
+the one a lone run of its prompt gives (near ties reported with their logit gap, never silently accepted)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import load_prompts
+from greedy_check import assert_same_or_tie
+from specrt.errors import InputError
+
+pytestmark = pytest.mark.slow
+METHODS = [("autoregressive", {}), ("draft", {}), ("draft", {"tree": True}), ("ngram", {}), ("medusa", {}),
+           ("eagle", {})]
+NEW = (20, 32, 12)          # each request's max_new_tokens: they finish in different rounds
+
+
+@pytest.fixture(scope="module")
+def prompts(default_generator):
+    ids = [default_generator.encode(p) for p in load_prompts(3)]
+    assert len({len(p) for p in ids}) == 3, "the test needs ragged prompt lengths"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def lone(default_generator, prompts):
+    """Each prompt alone, autoregressive: the reference of every method."""
+    return [default_generator.generate(prompt_ids=p, max_new_tokens=n).token_ids[0] for p, n in zip(prompts, NEW)]
+
+
+def check(outputs, lone, prompts, model):
+    ties = []
+    for ours, ref, ids in zip(outputs, lone, prompts):
+        assert_same_or_tie(ours[:len(ref)], ref, ids, model, ties)   # ours may run longer
+    assert len(ties) <= 1, f"too many near ties to be chance: {ties}"
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=[m + ("-tree" if kw else "") for m, kw in METHODS])
+def test_requests_join_a_running_batch(default_generator, smollm2, prompts, lone, method, kw):
+    """Request 0 starts alone, 1 joins after two rounds, 2 after four; each finishes at its own length and leaves
+    (the rows behind it move into its row). Trees every round (adaptive=False) so that each method speculates
+    whatever the batch size."""
+    batch = default_generator.batch(3, method=method, adaptive=False, **kw)
+    outputs, rounds = {}, 0
+    batch.add(prompts[0], NEW[0], owner=0)
+    while batch.run.batch or len(outputs) < 3:
+        if rounds in (2, 4):
+            batch.add(prompts[rounds // 2], NEW[rounds // 2], owner=rounds // 2)
+        for row, tokens in batch.retire():
+            outputs[row.owner] = tokens
+            assert row.stop_reason in ("eos", "max_new_tokens")
+        batch.step()
+        rounds += 1
+    assert [len(outputs[i]) for i in range(3)] == [len(t) for t in lone]
+    check([outputs[i] for i in range(3)], lone, prompts, smollm2.model)
+    stats = batch.stats()
+    assert max(stats["batch_rounds"]) == 3 and stats["rounds"] == rounds - 1
+    if method != "autoregressive":
+        assert stats["acceptance_rate"] is not None and stats["batch_rounds"][3]["speculative"] > 0
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "eagle"])
+def test_generate_a_list_of_prompts(default_generator, smollm2, prompts, lone, method):
+    out = default_generator.generate(prompt_ids=prompts, max_new_tokens=max(NEW), method=method)
+    assert len(out.token_ids) == len(out.text) == 3
+    check(out.token_ids, lone, prompts, smollm2.model)
+    assert len(out.stats["stop_reasons"]) == 3 and out.stats["tokens"] == sum(map(len, out.token_ids))
+    texts = default_generator.generate(prompt=load_prompts(3), max_new_tokens=4).text
+    assert [default_generator.tokenizer.decode(t, skip_special_tokens=True) for t in
+            (default_generator.generate(prompt_ids=p, max_new_tokens=4).token_ids[0] for p in prompts)] == texts
+
+
+def test_cancelled_row_frees_its_row(default_generator, prompts):
+    batch = default_generator.batch(2)
+    batch.add(prompts[0], 40, owner="a")
+    batch.add(prompts[1], 8, owner="b")
+    batch.step()
+    batch.cancel(lambda owner: owner == "a")
+    (row, tokens), = batch.retire()
+    assert (row.owner, row.stop_reason, len(tokens)) == ("a", "cancelled", 2)
+    assert batch.run.batch == 1 and batch.run.rows[0].owner == "b"
+    while batch.run.batch:
+        batch.step()
+        done = batch.retire()
+    alone = default_generator.generate(prompt_ids=prompts[1], max_new_tokens=8).token_ids[0]
+    assert done[0][1] == alone
+
+
+def test_a_full_batch_refuses_more(default_generator, prompts):
+    batch = default_generator.batch(1)
+    batch.add(prompts[0], 4)
+    with pytest.raises(InputError, match="do not fit the batch"):
+        batch.add(prompts[1], 4)
+    with pytest.raises(InputError, match="empty list"):
+        default_generator.generate(prompt=[], max_new_tokens=4)
+    with pytest.raises(InputError, match="prompt ids"):
+        default_generator.generate(prompt_ids=[[1, 2], []], max_new_tokens=4)
