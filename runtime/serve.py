@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.generate import METHODS, Batch, Detokenizer, Generator
+from specrt.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
 
 log = logging.getLogger("specrt.serve")
 
@@ -164,8 +164,8 @@ class Scheduler:
     """The one thread that touches the engines: admits waiting jobs into the running batch at round boundaries,
     runs rounds, hands each job its new tokens and retires finished rows."""
 
-    def __init__(self, gen: Generator, capacity: int):
-        self.gen, self.capacity = gen, capacity
+    def __init__(self, gen: Generator, capacity: int, measure: bool = False):
+        self.gen, self.capacity, self.measure = gen, capacity, measure
         self.waiting: collections.deque[Job] = collections.deque()
         self.ready = threading.Condition()
         self.batch: Batch | None = None
@@ -191,6 +191,11 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_num_threads(1)   # the loop's own tensors are small (the engines keep their thread pools)
+        if self.measure:   # before the first request, not in the middle of its rounds
+            sizes = range(1, min(self.capacity, MAX_MEASURED_BATCH) + 1)
+            log.info("timing target passes at batch sizes 1 to %d (speculation follows them)", sizes[-1])
+            for n in sizes:
+                self.gen.costs(n)
         while True:
             with self.ready:
                 while not self.closing and not self.waiting and not self.live:
@@ -279,7 +284,7 @@ class Server:
         self.method = method
         self.max_len = gen.max_len
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.scheduler = Scheduler(gen, max_batch)
+        self.scheduler = Scheduler(gen, max_batch, measure=method != "autoregressive")
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
