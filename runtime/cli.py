@@ -125,7 +125,8 @@ def sampling_options(f):
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", default=None, help="Text; the chat template is applied when the tokenizer has one.")
+@click.option("--prompt", multiple=True, help="Text; the chat template is applied when the tokenizer has one. "
+              "Give it several times to decode the prompts together in one batch.")
 @click.option("--prompt-ids", default=None, help="Token ids, comma-separated (for engines without a tokenizer).")
 @click.option("--num-return-sequences", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
@@ -135,8 +136,10 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
              top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
     """Generate from ENGINES."""
     from specrt.generate import Generator
-    if stream and (as_json or num_return_sequences > 1):
-        raise click.UsageError("--stream prints one sequence as text: drop --json and --num-return-sequences")
+    if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
+        raise click.UsageError("--stream prints one sequence as text: drop --json, --num-return-sequences and the "
+                               "other --prompt")
+    prompt = None if not prompt else prompt[0] if len(prompt) == 1 else list(prompt)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
                    tree_choices=tree_choices, adaptive=adaptive)
@@ -162,7 +165,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
         click.echo(json.dumps({"text": text, "token_ids": out.token_ids, "stats": out.stats}))
         return
     for i, ids in enumerate(out.token_ids):
-        if num_return_sequences > 1:
+        if len(out.token_ids) > 1:
             click.echo(f"--- sequence {i + 1}")
         click.echo(out.text[i] if out.text else ",".join(map(str, ids)))
     _summary(out.stats, method)
