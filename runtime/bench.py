@@ -1,13 +1,17 @@
-"""`specrt bench`: every method of specrt beside transformers' own decoding, on one prompt set, in one run.
+"""`specrt bench`: every method of specrt beside transformers' own decoding (and llama.cpp where installed), on one
+prompt set, in one run.
 
 Runs are interleaved prompt by prompt (specrt methods and peers back to back on the same prompt) so that a
 shared, noisy machine slows all of them alike: absolute times are indications, ratios are measured side by side.
+Peak memory is measured afterwards, one fresh process per method or peer (see `measure_memory`).
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -17,9 +21,11 @@ import click
 import numpy as np
 import torch
 
-from specrt.errors import InputError, SpecrtError
+from specrt import llamacpp, rss
+from specrt.errors import BackendError, InputError, SpecrtError
 
 PEER_LOOKUP_TOKENS = 8   # transformers' prompt_lookup_num_tokens, the same cap as specrt's adaptive γ
+LLAMACPP = ("llama.cpp", "generate")   # the llama.cpp row's (system, method)
 
 
 @dataclass
@@ -44,6 +50,8 @@ class BenchConfig:
     seed: int = 0
     threads: int | None = None
     device: str = "auto"                 # the engines' device; the transformers peers run there too
+    llamacpp: bool | None = None         # None: with the peers, where llama-cpp-python is installed
+    memory: bool = True                  # peak memory of each method and peer, one fresh process each
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Bench:
     sweep: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    memory: list[dict] = field(default_factory=list)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -135,6 +144,7 @@ def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: in
     wall = time.perf_counter() - t
     s = out.stats
     return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
+            "output_ids": out.token_ids[0],
             "time_s": wall, "tokens_per_s": s["tokens"] / wall, "decode_time_s": wall - s["prefill_time_s"],
             "rounds": s["rounds"], "alpha": s["acceptance_rate"],
             "mean_tokens_per_round": s["mean_tokens_per_round"],
@@ -169,6 +179,15 @@ def run_peer(model, ids: list[int], name: str, temperature: float, max_new: int,
             "time_s": wall, "tokens_per_s": tokens / wall}
 
 
+def run_llamacpp(peer, ids: list[int], temperature: float, max_new: int, seed: int, eos: list[int]) -> dict:
+    """Timed like the others: the call, prefill included, over the tokens it made."""
+    t = time.perf_counter()
+    out = peer.generate(ids, temperature, max_new, seed, eos)
+    wall = time.perf_counter() - t
+    return {"system": LLAMACPP[0], "method": LLAMACPP[1], "temperature": temperature, "tokens": len(out),
+            "time_s": wall, "tokens_per_s": len(out) / wall, "output_ids": out}
+
+
 # ---- the bench ----------------------------------------------------------------------------------------------
 @dataclass
 class _Setup:
@@ -180,6 +199,7 @@ class _Setup:
     peers: list[str]
     prompts: list[Prompt]
     ids: list[list[int]]
+    llamacpp: object | None      # specrt.llamacpp.LlamaCpp
 
 
 def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
@@ -196,13 +216,15 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
     models = gen.manifest["models"]
     peers = _peers(cfg, models, bench.notes)
+    llama = _llamacpp(cfg, models["target"], bench)
     target = load_source(models["target"]["source"]).model.to(gen.target.device)
     assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
     costs = gen.costs()
     bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
                       costs={"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c})
-    return _Setup(gen, target, assistant, models["target"].get("eos_token_ids", []), methods, peers, prompts, ids)
+    return _Setup(gen, target, assistant, models["target"].get("eos_token_ids", []), methods, peers, prompts, ids,
+                  llama)
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> Bench:
@@ -215,25 +237,37 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
         run_specrt(s.gen, s.ids[0], m, 0.0, 4, cfg.seed)
     for p in s.peers:
         run_peer(s.target, s.ids[0], p, 0.0, 4, cfg.seed, s.eos, s.assistant)
+    if s.llamacpp:
+        run_llamacpp(s.llamacpp, s.ids[0], 0.0, 4, cfg.seed, s.eos)
 
     sweep_methods = [m for m in s.methods if m in ("draft", "ngram")]  # the methods γ applies to
     sweep_n = min(cfg.sweep_prompts, len(s.ids)) if cfg.gamma_sweep and sweep_methods else 0
-    total = len(s.ids) * len(cfg.temperatures) * (len(s.methods) + len(s.peers)) \
-        + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep))
+    systems = len(s.methods) + len(s.peers) + bool(s.llamacpp)
+    memory = cfg.memory and _memory_available(bench.notes)
+    total = len(s.ids) * len(cfg.temperatures) * systems + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep)) \
+        + (systems if memory else 0)
     task = progress.add_task("bench", total=total) if progress else None
 
     def record(rows: list, row: dict, i: int) -> None:
-        rows.append({**row, "prompt": s.prompts[i].id})
+        rows.append({**{k: v for k, v in row.items() if k != "output_ids"}, "prompt": s.prompts[i].id})
         if progress:
             progress.update(task, advance=1, description=f"{row['system']} {row['method']} t={row['temperature']}")
 
     new = cfg.max_new_tokens
     for i, p in enumerate(s.ids):
         for temp in cfg.temperatures:
+            reference = None   # specrt's greedy output, which llama.cpp's is compared with
             for m in s.methods:
-                record(bench.runs, run_specrt(s.gen, p, m, temp, new, cfg.seed + i), i)
+                row = run_specrt(s.gen, p, m, temp, new, cfg.seed + i)
+                reference = row["output_ids"] if m == "autoregressive" and temp == 0 else reference
+                record(bench.runs, row, i)
             for name in s.peers:
                 record(bench.runs, run_peer(s.target, p, name, temp, new, cfg.seed + i, s.eos, s.assistant), i)
+            if s.llamacpp:
+                row = run_llamacpp(s.llamacpp, p, temp, new, cfg.seed + i, s.eos)
+                if reference is not None:
+                    row["first_divergence"] = llamacpp.first_divergence(row["output_ids"], reference)
+                record(bench.runs, row, i)
 
     temp = cfg.temperatures[0]
     for i, p in enumerate(s.ids[:sweep_n]):
@@ -242,6 +276,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
             for g in cfg.gamma_sweep:
                 record(bench.sweep, run_specrt(s.gen, p, m, temp, new, cfg.seed + i, gamma=g), i)
     bench.info["load_average_end"] = _load()
+    if memory:
+        for spec in _memory_specs(cfg, s, bench):
+            bench.memory.append(measure_memory(spec))
+            if progress:
+                progress.update(task, advance=1, description=f"memory {spec['system']} {spec['method']}")
     return bench
 
 
@@ -271,11 +310,105 @@ def _peers(cfg: BenchConfig, models: dict, notes: list[str]) -> list[str]:
     return names
 
 
+def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
+    """The llama.cpp peer; None with a note where it was not asked for and cannot run, an error where it was."""
+    if not (cfg.peers if cfg.llamacpp is None else cfg.llamacpp):
+        return None
+    if cfg.llamacpp is None and not (llamacpp.installed() and "gguf" in target):
+        why = "the target was not exported from a GGUF file" if llamacpp.installed() else \
+            f"llama-cpp-python is not installed: {llamacpp.INSTALL}"
+        bench.notes.append(f"llama.cpp skipped: {why}")
+        return None
+    if not llamacpp.installed():
+        raise BackendError(f"--llamacpp: llama-cpp-python is not installed: {llamacpp.INSTALL}")
+    peer = llamacpp.LlamaCpp(llamacpp.gguf_file(target), target["max_seq_len"], bench.info["threads"])
+    bench.info["versions"]["llama_cpp_python"] = llamacpp.version()
+    from specrt.backends import pick_device
+    if pick_device(cfg.device) != "cpu":
+        bench.notes.append("llama.cpp runs on the CPU (llama-cpp-python as pip builds it by default)")
+    return peer
+
+
 def _floor(model) -> dict:
     """Batch-1 decode reads every weight once per step: weight bytes / read bandwidth is a floor on step time."""
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())   # fp32; tied weights counted once
     bandwidth = read_bandwidth()
     return {"bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes, "floor_step_s": weight_bytes / bandwidth}
+
+
+# ---- peak memory --------------------------------------------------------------------------------------------
+def _memory_available(notes: list[str]) -> bool:
+    if not rss.available():
+        notes.append("peak memory skipped: it is read from Linux's /proc/self/status")
+    return rss.available()
+
+
+def _memory_specs(cfg: BenchConfig, s: _Setup, bench: Bench) -> list[dict]:
+    common = {"engines": str(cfg.engines), "device": cfg.device, "threads": bench.info["threads"], "ids": s.ids,
+              "temperature": cfg.temperatures[0], "max_new": cfg.max_new_tokens, "seed": cfg.seed, "eos": s.eos}
+    systems = [("specrt", m) for m in s.methods] + [("transformers", p) for p in s.peers]
+    return [{**common, "system": system, "method": method}
+            for system, method in systems + ([LLAMACPP] if s.llamacpp else [])]
+
+
+def measure_memory(spec: dict) -> dict:
+    """Peak resident memory of one method or peer, in a fresh process (`python -m specrt.bench --memory-child`)
+    that imports what every system's process imports, loads only this system and generates on the bench's
+    prompts at the first temperature. The high-water mark is reset after loading (transient load-time
+    allocations are not counted, what loading left resident is); GPU memory is not counted."""
+    r = subprocess.run([sys.executable, "-m", "specrt.bench", "--memory-child"], input=json.dumps(spec),
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BackendError(f"peak memory of {spec['system']} {spec['method']}: the measuring process failed "
+                           f"(exit {r.returncode}): {r.stderr.strip()[-2000:]}; --no-memory skips the measurement")
+    return {"system": spec["system"], "method": spec["method"], "temperature": spec["temperature"],
+            "prompts": len(spec["ids"]), **json.loads(r.stdout.strip().splitlines()[-1])}
+
+
+def _memory_child(spec: dict) -> dict:
+    _import_code(spec)
+    base = rss.rss_bytes()
+    run = _load_system(spec)
+    loaded = rss.rss_bytes()
+    rss.reset_peak()
+    tokens = sum(run(ids, spec["seed"] + i)["tokens"] for i, ids in enumerate(spec["ids"]))
+    return {"tokens": tokens, "base_rss_bytes": base, "loaded_rss_bytes": loaded, "peak_rss_bytes": rss.peak_rss_bytes()}
+
+
+def _import_code(spec: dict) -> None:
+    """Import the code the system runs before the baseline is read, so that code is not counted: the common stack,
+    and transformers' model class and generation code (150 MB resident in themselves) or llama-cpp-python."""
+    import onnxruntime  # noqa: F401
+    import transformers
+    if spec["system"] == "transformers":
+        import transformers.generation.utils  # noqa: F401
+        from specrt.export.architectures import REGISTRY
+        from specrt.manifest import read_manifest
+        getattr(transformers, REGISTRY[read_manifest(spec["engines"])["models"]["target"]["architecture"]].hf_class)
+    elif spec["system"] == LLAMACPP[0]:
+        import llama_cpp  # noqa: F401
+
+
+def _load_system(spec: dict):
+    """Load one system as the bench does; return run(ids, seed) -> its run row."""
+    from specrt.backends import pick_device
+    from specrt.export.sources import load_source
+    from specrt.generate import Generator
+    from specrt.manifest import read_manifest
+
+    temp, new, eos, threads = spec["temperature"], spec["max_new"], spec["eos"], spec["threads"]
+    torch.set_num_threads(threads)
+    if spec["system"] == "specrt":
+        gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
+        return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
+    models = read_manifest(spec["engines"])["models"]
+    if spec["system"] == LLAMACPP[0]:
+        peer = llamacpp.LlamaCpp(llamacpp.gguf_file(models["target"]), models["target"]["max_seq_len"], threads)
+        return lambda ids, seed: run_llamacpp(peer, ids, temp, new, seed, eos)
+    device = pick_device(spec["device"])
+    target = load_source(models["target"]["source"]).model.to(device)
+    assistant = load_source(models["draft"]["source"]).model.to(device) if spec["method"] == "hf-assisted" else None
+    return lambda ids, seed: run_peer(target, ids, spec["method"], temp, new, seed, eos, assistant)
 
 
 # ---- the command --------------------------------------------------------------------------------------------
@@ -301,19 +434,25 @@ def _csv(kind):
 @click.option("--sweep-prompts", default=2, show_default=True, help="Prompts used by the γ sweep.")
 @click.option("--peers/--no-peers", default=True, show_default=True,
               help="Also run transformers generate, assisted generation and prompt lookup.")
+@click.option("--llamacpp/--no-llamacpp", default=None,
+              help="Also run llama.cpp on the target's GGUF file (the llamacpp extra). Default: with the peers, "
+                   "where llama-cpp-python is installed.")
+@click.option("--memory/--no-memory", default=True, show_default=True,
+              help="Measure each method's and peer's peak resident memory, one fresh process each (after the "
+                   "timed runs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep, sweep_prompts,
-          peers, seed, threads, device, out):
+          peers, llamacpp, memory, seed, threads, device, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specrt.report import terminal_table, write_outputs
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
-                      sweep_prompts, peers, out, seed, threads, device)
+                      sweep_prompts, peers, out, seed, threads, device, llamacpp, memory)
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:
@@ -324,8 +463,12 @@ def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, 
     except SpecrtError as e:
         raise click.ClickException(str(e)) from e
     for note in result.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     files = write_outputs(result)
     stdout = Console()
     (stdout if stdout.is_terminal else Console(width=132)).print(terminal_table(files["summary"]))
     console.print(f"wrote {', '.join(str(p) for p in files['paths'])}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--memory-child"]:
+    print(json.dumps(_memory_child(json.load(sys.stdin))))

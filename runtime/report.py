@@ -7,7 +7,10 @@ from pathlib import Path
 
 from specrt.adaptive import Costs, expected_tokens
 
-COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree", "plain"]
+COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree", "plain",
+           "peak MB"]
+SYSTEM_ORDER = {"specrt": 0, "transformers": 1, "llama.cpp": 2}
+MB = 1e6
 
 
 def _mean(xs):
@@ -86,6 +89,24 @@ def summarize_sweep(sweep: list[dict], costs: Costs) -> list[dict]:
     return rows
 
 
+def attach_memory(summary: list[dict], memory: list[dict]) -> None:
+    """Each summary row measured for peak memory gets `peak_memory_mb`: the peak resident size while generating
+    above the measuring process's size after its imports (see bench.measure_memory)."""
+    peaks = {(m["system"], m["method"], m["temperature"]): m for m in memory}
+    for r in summary:
+        m = peaks.get((r["system"], r["method"], r["temperature"]))
+        r["peak_memory_mb"] = (m["peak_rss_bytes"] - m["base_rss_bytes"]) / MB if m else None
+
+
+def llamacpp_agreement(runs: list[dict]) -> dict | None:
+    """How often llama.cpp's greedy output equals specrt autoregressive's on the same prompt (information only)."""
+    rows = [r for r in runs if "first_divergence" in r]
+    if not rows:
+        return None
+    return {"prompts": len(rows), "identical": sum(r["first_divergence"] is None for r in rows),
+            "first_divergence": [r["first_divergence"] for r in rows]}
+
+
 def floor_line(info: dict, runs: list[dict]) -> dict:
     ar = [r for r in runs if r["system"] == "specrt" and r["method"] == "autoregressive" and r["rounds"]]
     step = sum(r["decode_time_s"] for r in ar) / sum(r["rounds"] for r in ar) if ar else None
@@ -100,12 +121,12 @@ def _f(x, spec=".2f"):
 
 
 def table_rows(summary: list[dict]) -> list[list[str]]:
-    order = {"specrt": 0, "transformers": 1}
-    rows = sorted(summary, key=lambda r: (r["temperature"], order[r["system"]], r["system"] == "specrt"
+    rows = sorted(summary, key=lambda r: (r["temperature"], SYSTEM_ORDER[r["system"]], r["system"] == "specrt"
                                           and r["method"] != "autoregressive", r["method"]))
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
              _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
-             _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%")]
+             _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%"),
+             _f(r.get("peak_memory_mb"), ".0f")]
             for r in rows]
 
 
@@ -144,7 +165,12 @@ def report_markdown(results: dict) -> str:
         "plain target steps, where the measured acceptance did not pay for speculating (γ = 0 for chains, no tree for "
         "tree methods). transformers rows: `generate` (greedy or "
         "sampling, top-k/top-p off), assisted "
-        f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}).", "",
+        f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}). "
+        "llama.cpp: llama-cpp-python on the GGUF file the target was exported from (its own quantized weights and "
+        "kernels, where specrt's target may hold them dequantized), the same prompt token ids, greedy or sampled with "
+        "top-k/top-p/min-p off, n_threads = the threads above, a context of the engine's max_seq_len. Every row's "
+        "tokens/s is new tokens over the wall time of the whole call, prefill included. Peak MB: see Peak memory.",
+        "",
         "## Memory-bandwidth floor", "",
         f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
         f"{fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (multi-threaded torch reduction, best of 5) = floor "
@@ -155,6 +181,13 @@ def report_markdown(results: dict) -> str:
         + ", ".join(f"k={k}: {ms(t)}" for k, t in info["costs"]["verify_s"].items())
         + f"; draft step {ms(info['costs']['draft_step_s'])} ms.", "",
     ]
+    agree = results.get("llamacpp_agreement")
+    if agree:
+        firsts = [str(d) for d in agree["first_divergence"] if d is not None]
+        out += [f"llama.cpp's greedy output equalled specrt autoregressive's on {agree['identical']} of "
+                f"{agree['prompts']} prompts" + (f"; the others first differ at token {', '.join(firsts)}" if firsts
+                                                 else "") + " (information only: different arithmetic).", ""]
+    out += _memory_section(results)
     if results["sweep"]:
         out += ["## Speedup against γ", "",
                 f"Fixed γ, {cfg['sweep_prompts_run']} prompts, temperature "
@@ -179,6 +212,27 @@ def report_markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _memory_section(results: dict) -> list[str]:
+    memory = results.get("memory") or []
+    if not memory:
+        return []
+    mb = lambda b: _f(b / MB, ".0f")  # noqa: E731
+    return ["## Peak memory", "",
+            f"Each method and peer once more, in a fresh process of its own, on the same {memory[0]['prompts']} prompts "
+            f"at temperature {_f(memory[0]['temperature'], 'g')}: the process imports its code (Python, torch, "
+            "ONNX Runtime and transformers for all; transformers' model class and generation code for the "
+            "transformers rows, llama-cpp-python for llama.cpp), loads only that system (specrt: the whole "
+            "engine set, every engine of the manifest; transformers: the float32 target, with the draft for assisted "
+            "generation; llama.cpp: the memory-mapped GGUF file and its context, KV cache included), then generates "
+            "(specrt makes its static KV cache at the first request). The resident set's high-water mark is reset after loading (Linux clear_refs), so load-time "
+            "transients are not counted, what loading left resident is. Peak MB in the table above = peak while "
+            "generating − size after imports. Host memory only (not a GPU's).", "",
+            markdown_table(["system", "method", "after imports MB", "after loading MB", "peak MB (RSS)",
+                            "peak above imports MB"],
+                           [[m["system"], m["method"], mb(m["base_rss_bytes"]), mb(m["loaded_rss_bytes"]),
+                             mb(m["peak_rss_bytes"]), mb(m["peak_rss_bytes"] - m["base_rss_bytes"])]
+                            for m in memory]), ""]
+
 
 # ---- plots --------------------------------------------------------------------------------------------------
 def plot_all(results: dict, out: Path) -> list[Path]:
@@ -190,7 +244,7 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     rows = sorted(results["summary"], key=lambda r: (r["temperature"], r["system"], r["method"]))
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
     labels = [f"{r['system']} {r['method']} T={r['temperature']:g}" for r in rows]
-    colors = ["tab:blue" if r["system"] == "specrt" else "tab:gray" for r in rows]
+    colors = [{"specrt": "tab:blue", "llama.cpp": "tab:orange"}.get(r["system"], "tab:gray") for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows], color=colors)
     ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--",
                label="bandwidth limit, 1 token per step")
@@ -244,6 +298,7 @@ def write_outputs(bench) -> dict:
     cfg, info = bench.config, bench.info
     costs = _costs(info)
     summary = summarize(bench.runs, costs)
+    attach_memory(summary, bench.memory)
     results = {
         "config": {"methods": list(cfg.methods), "temperatures": list(cfg.temperatures),
                    "max_new_tokens": cfg.max_new_tokens, "num_prompts_run": len({r["prompt"] for r in bench.runs}),
@@ -251,7 +306,7 @@ def write_outputs(bench) -> dict:
                    "peers": cfg.peers, "peer_lookup_tokens": PEER_LOOKUP_TOKENS, "seed": cfg.seed},
         "info": info, "floor": floor_line(info, bench.runs), "summary": summary,
         "sweep": summarize_sweep(bench.sweep, costs), "runs": bench.runs, "sweep_runs": bench.sweep,
-        "notes": bench.notes,
+        "memory": bench.memory, "llamacpp_agreement": llamacpp_agreement(bench.runs), "notes": bench.notes,
     }
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from conftest import export_tiny, tiny_model
+from specrt import llamacpp, rss
 from specrt.bench import bench, load_prompts
 from specrt.errors import InputError
 
@@ -32,7 +34,8 @@ def test_bench_results_are_consistent(engines, tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(bench, [str(engines), "--prompts", str(prompts), "--temperatures", "0,0.7",
                                         "--max-new-tokens", str(NEW), "--num-prompts", "2", "--gamma-sweep", "1,2",
-                                        "--sweep-prompts", "1", "--peers", "--out", str(out)])
+                                        "--sweep-prompts", "1", "--peers", "--no-memory",
+                                        "--out", str(out)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     for name in ("results.json", "report.md", "tokens_per_s.png", "speedup_vs_gamma.png",
                  "acceptance_per_position.png"):
@@ -82,7 +85,7 @@ def test_bench_skips_draft_without_draft_model(tmp_path):
     out = tmp_path / "out"
     result = CliRunner().invoke(bench, [str(directory), "--prompts", str(prompts), "--methods", "draft,ngram",
                                         "--temperatures", "0", "--max-new-tokens", "4", "--gamma-sweep", "",
-                                        "--no-peers", "--out", str(out)])
+                                        "--no-peers", "--no-memory", "--out", str(out)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     r = json.loads((out / "results.json").read_text())
     assert {s["method"] for s in r["summary"]} == {"autoregressive", "ngram"}
@@ -102,3 +105,62 @@ def test_prompt_files(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
     with pytest.raises(InputError, match="broken.jsonl line 2: not valid JSON"):
         load_prompts(tmp_path / "broken.jsonl", 10)
+
+
+def test_bench_peak_memory(engines, tmp_path):
+    """Each method's peak resident memory, measured in a fresh process of its own, in the results and the report."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [5, 6, 7, 8, 5, 6]}])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(engines), "--prompts", str(prompts), "--methods", "autoregressive,ngram",
+                                        "--temperatures", "0", "--max-new-tokens", str(NEW), "--gamma-sweep", "",
+                                        "--no-peers", "--memory", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    assert [(m["system"], m["method"]) for m in r["memory"]] == [("specrt", "autoregressive"), ("specrt", "ngram")]
+    for m in r["memory"]:
+        assert m["tokens"] == NEW and m["prompts"] == 1
+        assert 0 < m["base_rss_bytes"] < m["loaded_rss_bytes"] and m["peak_rss_bytes"] >= m["base_rss_bytes"]
+    for s in r["summary"]:
+        m = next(m for m in r["memory"] if m["method"] == s["method"])
+        assert s["peak_memory_mb"] == pytest.approx((m["peak_rss_bytes"] - m["base_rss_bytes"]) / 1e6)
+    report = (out / "report.md").read_text()
+    assert "## Peak memory" in report and "peak MB" in report
+
+
+def test_peak_rss_sees_a_freed_allocation():
+    """The high-water mark keeps a peak that is gone by the time it is read (a sampler could miss it)."""
+    rss.reset_peak()
+    before = rss.rss_bytes()
+    a = np.ones(64 * 2**20 // 8)   # 64 MiB, touched
+    del a
+    assert rss.peak_rss_bytes() - before >= 60 * 2**20 > rss.rss_bytes() - before
+
+
+def test_bench_llamacpp_asked_for_but_missing(engines, tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp, "installed", lambda: False)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [3, 4, 5]}])
+    result = CliRunner().invoke(bench, [str(engines), "--prompts", str(prompts), "--methods", "autoregressive",
+                                        "--temperatures", "0", "--max-new-tokens", "2", "--gamma-sweep", "",
+                                        "--no-peers", "--llamacpp", "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "pip install -e '.[llamacpp]'" in result.output
+
+
+@pytest.mark.slow
+def test_bench_llamacpp_row(default_engines, tmp_path):
+    """llama.cpp beside specrt on the default engines' GGUF file: its row and its agreement (peak memory: the test
+    above; the llama.cpp process is measured the same way)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llamacpp extra) is not installed")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(default_engines), "--methods", "autoregressive", "--temperatures", "0",
+                                        "--max-new-tokens", "4", "--num-prompts", "1", "--gamma-sweep", "",
+                                        "--no-peers", "--llamacpp", "--no-memory", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    rows = [x for x in r["runs"] if x["system"] == "llama.cpp"]
+    assert len(rows) == 1 and 0 < rows[0]["tokens"] <= 4 and "first_divergence" in rows[0]
+    assert r["llamacpp_agreement"]["prompts"] == 1
+    row = next(s for s in r["summary"] if s["system"] == "llama.cpp")
+    assert row["tokens_per_s"] > 0 and row["speedup"] > 0
+    assert r["info"]["versions"]["llama_cpp_python"]
+    report = (out / "report.md").read_text()
+    assert "| llama.cpp | generate | 0 |" in report and "llama.cpp's greedy output equalled" in report

@@ -1,0 +1,32 @@
+"""This process's resident memory, read from Linux's /proc: the current size, the high-water mark, and a reset of
+the mark (`clear_refs` 5), so that the peak of one stretch of work is read on its own, without what came before."""
+from __future__ import annotations
+
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+
+
+def available() -> bool:
+    return _STATUS.is_file()
+
+
+def _status_bytes(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024   # "VmRSS:   123456 kB"
+    raise RuntimeError(f"{_STATUS} has no {field} line")
+
+
+def rss_bytes() -> int:
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """The high-water mark of the resident set since the process started or since the last `reset_peak()`."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak() -> None:
+    """Set the high-water mark to the current resident size (Linux 4.0 and later)."""
+    Path("/proc/self/clear_refs").write_text("5")
