@@ -96,7 +96,9 @@ class DraftModelDrafter:
 
     def propose(self, run, gamma: int) -> Proposal:
         B, smax, dev = run.batch, run.max_len, run.device
-        w = 2 + run.rounds - self.next_round
+        # a row that joined after the last proposal may be shorter than w: it is fed from its start (one round of
+        # poor drafts for it, its cache right again after); w never exceeds the longest row
+        w = min(2 + run.rounds - self.next_round, int(run.host_lengths.max()))
         self.next_round = run.rounds + 1
         start = (run.lengths - w).clamp(min=0)
         self.cache = self.pool.prefix(B)
