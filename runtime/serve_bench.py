@@ -22,29 +22,28 @@ from specrt.errors import InputError
 
 
 @contextmanager
-def server(engines: Path, max_batch: int, method: str, threads: int | None, log_path: Path):
-    """`specrt serve` on a free port until /health answers; yields its base URL."""
+def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
+    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "specrt.cli", "serve", str(engines), "--port", str(port), "--max-batch",
-            str(max_batch), "--method", method] + (["--threads", str(threads)] if threads else [])
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(engines), "--port", str(port),
+                                 *args], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + wait_s
         while True:
             if proc.poll() is not None:
                 raise InputError(f"the server exited: {Path(log_path).read_text()[-1500:]}")
             if time.monotonic() > deadline:
-                raise InputError(f"the server gave no /health in 300 s (log: {log_path})")
+                raise InputError(f"the server gave no /health in {wait_s:.0f} s: {Path(log_path).read_text()[-1500:]}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
                     break
             except OSError:
                 time.sleep(0.3)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -98,7 +97,8 @@ def bench_serve(engines: Path, concurrency: list[int], method: str, requests: in
     prompts = (prompts * (requests // len(prompts) + 1))[:requests]
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    with server(engines, max(concurrency), method, threads, out / "server.log") as url:
+    args = ["--max-batch", str(max(concurrency)), "--method", method] + (["--threads", str(threads)] if threads else [])
+    with server(engines, out / "server.log", *args) as (url, _):
         stream_request(url, prompts[0], 8)   # warm-up: first passes, cost measurements
         for c in sorted(set(concurrency)):
             log(f"concurrency {c}: {requests} requests of {max_tokens} tokens ({method}) ...")

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import openai
 import pytest
@@ -19,39 +15,14 @@ from conftest import export_tiny_with_heads, load_prompts
 from greedy_check import assert_same_or_tie
 from specrt.generate import Generator
 from specrt.serve import StopText
+from specrt.serve_bench import server
 
 VOCAB, MAX_LEN = 128, 256
 
 
-@contextmanager
 def running_server(engines, log_path, *args):
     """`specrt serve ENGINES` on a free port until /health answers; yields (base url, the server's process id)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(engines), "--port", str(port),
-                                 *args], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the server exited: {log_path.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"no /health after 120 s: {log_path.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return server(engines, log_path, *args, wait_s=120)
 
 
 def post(url: str, body: bytes | dict) -> tuple[int, dict]:
