@@ -611,6 +611,10 @@ class Batch:
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
                 "stop_reason": row.stop_reason}
 
+    def batch_rounds(self) -> dict:
+        """Rounds by live rows since the batch began, and how many of them speculated."""
+        return {n: {"rounds": r, "speculative": s} for n, (r, s) in sorted(self.run.by_batch.items())}
+
     def stats(self) -> dict:
         """The batch's figures since it began."""
         run = self.run
@@ -622,7 +626,7 @@ class Batch:
             "engine_time_s": self.gen.engine_time,
             "gamma": self.gamma if self.gamma is not None else (
                 self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
-            "batch_rounds": {n: {"rounds": r, "speculative": s} for n, (r, s) in sorted(run.by_batch.items())},
+            "batch_rounds": self.batch_rounds(),
         }
         tree, trees, policy = self.tree, self.trees, self.policy
         if tree is not None:

@@ -264,7 +264,7 @@ class Scheduler:
             if row.stop_reason == "cancelled":
                 log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
                          "string)", len(tokens))
-            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.stats()["batch_rounds"]}
+            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds()}
             job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
