@@ -151,6 +151,7 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
             if role == "target" and target_weights != "float32":
                 from specrt.export.quantize import quantize_target
                 extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
+                extra["activations"] = "int8"   # per token and block: trees verify as chains (see Generator)
                 source, weights = quantized, target_weights
             elif role in DRAFTER_ROLES and drafter_weights == "int8":
                 quantize_int8(graph, quantized)

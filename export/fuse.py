@@ -5,6 +5,9 @@
   (which also gives the sum, the residual stream).
 - RoPE (x*cos + rotate_half(x)*sin on [B,H,S,D]) -> `com.microsoft::RotaryEmbedding` on the projection's [B,S,H*D]
   output, with the position ids and the first half of the cos/sin tables.
+- Projections of one input (q/k/v, gate/up) -> one MatMul (or `MatMulNBits`) over their weights side by side and a
+  Split: fewer, larger kernels (a 4-bit target's pass at one token: 15.7 -> 10.5 ms). A Q4_1 target's block offset
+  terms (see `specrt.export.quantize`) merge with their MatMuls.
 - `specrt::TreeAttention` -> its function body inlined with the head counts as constants: the mask bias is built
   once per graph (ONNX Runtime inlines the function once per layer), and the reshapes in and around it take
   constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left.
@@ -57,7 +60,7 @@ def fuse_graph(model: onnx.ModelProto, spec: dict) -> tuple[onnx.ModelProto, dic
     """Rewrite `model` (an exported contract graph; its MatMuls may be quantized already) in place; return it and
     the count of each fusion."""
     counts = Counter()
-    for rewrite in (_fuse_rope, _inline_attention, _fuse_norms):
+    for rewrite in (_merge_nbits, _merge_matmuls, _fuse_rope, _inline_attention, _fuse_norms):
         new_nodes, dead = [], set()
         rewrite(_Graph(model), spec, new_nodes, dead, counts)
         _apply(model, new_nodes, dead)
@@ -120,6 +123,83 @@ def _prune(model):
 
 def _ints(name, vals):
     return numpy_helper.from_array(np.array(vals, np.int64), name)
+
+
+# ---- projections of one input ---------------------------------------------------------------------------------
+
+def _merge_nbits(g: _Graph, spec: dict, new, dead, counts):
+    """`MatMulNBits` nodes of one input and equal K, bits, block size and accuracy -> one over their blocks, scales
+    and zero points stacked along N, then a Split. Where each has a Q4_1 offset term, Add(y, MatMul(block sums,
+    offsets)), and all of one group read the same block sums, the offsets merge too (one MatMul, one Add)."""
+    for x in list(g.consumers):
+        groups = defaultdict(list)
+        for node in g.consumers[x]:
+            key = _nbits_key(g, node)
+            if key is not None and node.input[0] == x:
+                groups[key].append(node)
+        for (_, _, _, _, with_zp, block_sums), nodes in groups.items():
+            if len(nodes) < 2:
+                continue
+            attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
+            sizes = [_attr(node, "N") for node in nodes]
+            p = f"{nodes[0].name or nodes[0].output[0]}/merged/"
+            stacked = [np.concatenate([g.const(node.input[i]) for node in nodes]) for i in range(1, 3 + with_zp)]
+            names = [p + part for part in ("B", "scales", "zero_points")[:len(stacked)]]
+            g.g.initializer.extend(numpy_helper.from_array(a, name) for a, name in zip(stacked, names))
+            g.g.initializer.append(_ints(p + "sizes", sizes))
+            new.append(helper.make_node("MatMulNBits", [x, *names], [p + "y"], name=p + "MatMulNBits", domain=MS,
+                                        **{**attrs, "N": sum(sizes)}))
+            y, outputs = p + "y", [node.output[0] for node in nodes]
+            if block_sums is not None:
+                adds = [g.consumers[o][0] for o in outputs]
+                offsets = [g.producer[next(i for i in add.input if i != o)] for add, o in zip(adds, outputs)]
+                g.g.initializer.append(numpy_helper.from_array(
+                    np.concatenate([g.const(m.input[1]) for m in offsets], axis=1), p + "offsets"))
+                new += [helper.make_node("MatMul", [block_sums, p + "offsets"], [p + "y_offsets"]),
+                        helper.make_node("Add", [y, p + "y_offsets"], [p + "y_sum"])]
+                y, outputs = p + "y_sum", [add.output[0] for add in adds]
+                dead.update(tuple(node.output) for node in adds + offsets)
+            new.append(helper.make_node("Split", [y, p + "sizes"], outputs, axis=-1))
+            dead.update(tuple(node.output) for node in nodes)
+            counts["projections"] += len(nodes)
+
+
+def _attr(node, name):
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+def _nbits_key(g: _Graph, node):
+    """What a MatMulNBits must share with its siblings to merge (None: it cannot): K, bits, block size, accuracy,
+    whether it has zero points, and the block sums of its Q4_1 offset term (None if it has none)."""
+    if node.op_type != "MatMulNBits" or len(node.input) > 4 or any(g.const(i) is None for i in node.input[1:]):
+        return None
+    users = g.consumers[node.output[0]]
+    block_sums = None
+    if len(users) == 1 and users[0].op_type == "Add":
+        other = next((i for i in users[0].input if i != node.output[0]), None)
+        offsets = g.op(other, "MatMul")
+        if offsets is not None and g.const(offsets.input[1]) is not None \
+                and len(g.consumers[offsets.output[0]]) == 1:
+            block_sums = offsets.input[0]
+    return (_attr(node, "K"), _attr(node, "bits"), _attr(node, "block_size"), _attr(node, "accuracy_level"),
+            len(node.input) == 4, block_sums)
+
+
+def _merge_matmuls(g: _Graph, spec: dict, new, dead, counts):
+    """MatMuls of one input by constant [K, N] weights -> one MatMul over the weights side by side, then a Split."""
+    for x in list(g.consumers):
+        nodes = [node for node in g.consumers[x] if node.op_type == "MatMul" and node.input[0] == x
+                 and (w := g.const(node.input[1])) is not None and w.ndim == 2]
+        if len(nodes) < 2:
+            continue
+        weights = [g.const(node.input[1]) for node in nodes]
+        p = f"{nodes[0].name or nodes[0].output[0]}/merged/"
+        g.g.initializer.extend([numpy_helper.from_array(np.concatenate(weights, axis=1), p + "weight"),
+                                _ints(p + "sizes", [w.shape[1] for w in weights])])
+        new += [helper.make_node("MatMul", [x, p + "weight"], [p + "y"], name=p + "MatMul"),
+                helper.make_node("Split", [p + "y", p + "sizes"], [node.output[0] for node in nodes], axis=-1)]
+        dead.update(tuple(node.output) for node in nodes)
+        counts["projections"] += len(nodes)
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------------------

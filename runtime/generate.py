@@ -308,16 +308,31 @@ class Generator:
             self._last_pool = (key, self.target.new_cache(capacity, length))
         return self._last_pool[1]
 
+    @property
+    def chains_only(self) -> bool:
+        """A target whose MatMuls quantize their input to int8 (`--target-weights int4|int8`) verifies trees as
+        chains. A tree pass gives a node's ancestors other attention columns than a chain does, so its softmax
+        and P·V sums round differently; float32 engines shrug that off (a near tie at most), but the rounding
+        flips int8 activations downstream and the tree's logits drift from the engine's own by up to ~1–3
+        (measured on the int4 SmolLM2 target), which would break the token-identical promise. A chain of the
+        drafter's top choices (one node per depth) lays out exactly as the target's own steps."""
+        return self.target.spec.get("engine", {}).get("activations") == "int8"
+
     def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
         if method == "autoregressive":
             return None
         if method == "ngram":
             return NgramDrafter(ngram_max, ngram_min)
         if method == "medusa":
-            return MedusaDrafter(self.medusa, self.tree_for("medusa", tree_choices), self._timed_call)
+            chosen = self.tree_for("medusa", tree_choices)
+            return MedusaDrafter(self.medusa, Tree.chain(chosen.max_depth) if self.chains_only else chosen,
+                                 self._timed_call)
         if method == "eagle":
-            return EagleDrafter(self.eagle, self._timed, DynamicTree(**self.eagle.spec.get("dynamic_tree", {})))
-        if tree or tree_choices is not None:
+            shape = DynamicTree(**self.eagle.spec.get("dynamic_tree", {}))
+            if self.chains_only:
+                shape = DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth)
+            return EagleDrafter(self.eagle, self._timed, shape)
+        if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)
 

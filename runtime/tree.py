@@ -91,6 +91,11 @@ class Tree:
         return self._copies[device]
 
     @classmethod
+    def chain(cls, depth: int) -> "Tree":
+        """One node per depth, the top candidate each: verified in the same layout as a chain of drafts."""
+        return cls.from_paths((0,) * d for d in range(1, depth + 1))
+
+    @classmethod
     def chain_with_siblings(cls, depth: int, width: int) -> "Tree":
         """The tree a draft model proposes by top-k branching along its top-1 chain."""
         return cls.from_paths((0,) * d + (r,) for d in range(depth) for r in range(width))

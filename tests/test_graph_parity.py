@@ -88,7 +88,8 @@ def test_tiny_engines_are_fused(tiny_engines, arch):
     layers = model.config.num_hidden_layers
     # per layer: RoPE of q and k, attention inlined, both norms with the residual add before them; the first
     # norm (after the embedding) has no residual add, the final one has
-    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": 1, "skip_norm": 2 * layers}
+    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": 1, "skip_norm": 2 * layers,
+                               "projections": 5 * layers}   # q/k/v and gate/up merged
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -30,7 +30,7 @@ def test_manifest_records_target_weights(quantized):
     engine = manifest["models"]["target"]["engine"]
     assert engine["weights"] == weights
     built = onnx.load(str(directory / engine["file"]))
-    assert sum(n.op_type == "MatMulNBits" for n in built.graph.node) == 2 * 7 + 1
+    assert sum(n.op_type == "MatMulNBits" for n in built.graph.node) == 2 * 4 + 1   # q/k/v and gate/up merged
     assert engine["quantized"] == {f"standard {weights}": 2 * 7 + 1}   # 2 layers x 7 linears + the LM head
     assert manifest["models"]["draft"]["engine"]["weights"] == "int8"   # drafters as before
 
@@ -147,3 +147,30 @@ def test_gguf_int4_weights_equal_transformers_weights_layer_by_layer(smollm2):
         np.testing.assert_allclose(w.reshape(ref.shape), ref.numpy(), rtol=1e-6, atol=1e-7, err_msg=key)
         checked += 1
     assert checked == 30 * 7 + 2   # the embedding and the LM head tied to it
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(default_engines, tmp_path_factory):
+    """The default engine set with its target rebuilt int4 from the same exported graphs (its GGUF blocks)."""
+    import shutil
+    directory = tmp_path_factory.mktemp("smollm2-int4") / "engines"
+    shutil.copytree(default_engines, directory, ignore=shutil.ignore_patterns("*.ort.onnx"))
+    build(directory, "onnxruntime", log=lambda *_: None, target_weights="int4")
+    return directory
+
+
+@pytest.mark.slow
+def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
+    """On the int4 SmolLM2 target (int8 activations) every method gives the engine's own autoregressive tokens;
+    the tree methods verify chains there (a tree pass rounds its attention differently, and int8 activations
+    turn that into logit changes of order 1)."""
+    from conftest import load_prompts
+    gen = Generator.from_engines(smollm2_int4)
+    assert gen.chains_only
+    for prompt in load_prompts(3):
+        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        for method, kw in METHODS + [("eagle", {})]:
+            out = gen.generate(prompt, max_new_tokens=48, method=method, **kw)
+            assert out.token_ids[0] == ref, f"{method} {kw} on {prompt[:40]!r}"
+            if method in ("medusa", "eagle"):
+                assert out.stats["tree_size"] == out.stats["tree_depth"]   # a chain
