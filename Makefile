@@ -6,19 +6,21 @@ PIP    := $(VENV)/bin/pip
 SPECRT := $(VENV)/bin/specrt
 STAMP  := $(VENV)/.installed
 ENGINES ?= engines/default
+INT4   ?= engines/int4
 DRAFT  ?= smollm2-135m-draft
 MEDUSA ?= export/drafters/smollm2-135m-medusa
 EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines demo test bench clean help train-data train-draft train-medusa train-eagle gpu-check
+.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle gpu-check
 .DELETE_ON_ERROR:
 
 help:
 	@echo "make demo    set up, build the default engines, answer a chat prompt (Medusa speculation)"
 	@echo "make test    set up, build the default engines, run the tests"
 	@echo "make engines export + build the default engine set into $(ENGINES)"
-	@echo "make bench   benchmark methods on the MT-Bench dev prompts"
+	@echo "make engines-int4  the same set with a 4-bit target (the GGUF file's own blocks) into $(INT4)"
+	@echo "make bench   benchmark methods on the MT-Bench dev prompts, float32 and int4 targets side by side"
 	@echo "make gpu-check  on an NVIDIA GPU with the gpu extra installed: CUDA vs CPU, every method, pass times"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
@@ -39,6 +41,14 @@ $(ENGINES)/manifest.json: | $(STAMP)
 
 engines: $(ENGINES)/manifest.json
 
+# The default export's graphs, built with the target's 4-bit weights (the exported graphs are copied, not the engines).
+$(INT4)/manifest.json: $(ENGINES)/manifest.json
+	rm -rf $(INT4) && mkdir -p $(INT4)
+	cd $(ENGINES) && cp -r $$(ls -A | grep -v '\.ort\.onnx$$') $(CURDIR)/$(INT4)/
+	$(SPECRT) build $(INT4) --target-weights int4
+
+engines-int4: $(INT4)/manifest.json
+
 demo: engines
 	$(SPECRT) generate $(ENGINES) --prompt "Explain in three sentences why the sky is blue." --max-new-tokens 96 \
 	    --method medusa
@@ -46,8 +56,9 @@ demo: engines
 test: engines
 	$(PY) -m pytest -q
 
-bench: engines
-	$(SPECRT) bench $(ENGINES) --methods autoregressive,draft,ngram,medusa,draft-tree,eagle --out bench-out
+bench: engines engines-int4
+	$(SPECRT) bench $(ENGINES) --compare $(INT4) --methods autoregressive,draft,ngram,medusa,draft-tree,eagle \
+	    --out bench-out
 
 # Needs an NVIDIA GPU and the gpu extra (onnxruntime-gpu in place of onnxruntime: pip install -e '.[gpu]'),
 # which is the user's to install; writes gpu-check.json (see README, "GPU check").

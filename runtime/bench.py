@@ -52,6 +52,7 @@ class BenchConfig:
     device: str = "auto"                 # the engines' device; the transformers peers run there too
     llamacpp: bool | None = None         # None: with the peers, where llama-cpp-python is installed
     memory: bool = True                  # peak memory of each method and peer, one fresh process each
+    compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
 
 
 @dataclass
@@ -200,6 +201,7 @@ class _Setup:
     prompts: list[Prompt]
     ids: list[list[int]]
     llamacpp: object | None      # specrt.llamacpp.LlamaCpp
+    others: list = field(default_factory=list)   # (system name, Generator) of the --compare engine sets
 
 
 def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
@@ -219,12 +221,32 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     llama = _llamacpp(cfg, models["target"], bench)
     target = load_source(models["target"]["source"]).model.to(gen.target.device)
     assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
-    costs = gen.costs()
     bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
-                      costs={"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c})
+                      costs=_cost_entry(gen), compare=[])
+    others = []
+    for directory in cfg.compare:
+        other = Generator.from_engines(directory, device=cfg.device, threads=bench.info["threads"])
+        name = _system_name(other, [n for n, _ in others])
+        if other.manifest["models"]["target"]["source"] != models["target"]["source"]:
+            raise InputError(f"--compare {directory}: its target is {other.manifest['models']['target']['source']}, "
+                             f"{cfg.engines}'s is {models['target']['source']}: compare engine sets of one target")
+        others.append((name, other))
+        bench.info["compare"].append({"system": name, "engines": str(directory), "costs": _cost_entry(other),
+                                      "methods": [m for m in methods if _runnable(other, m, bench.notes)]})
     return _Setup(gen, target, assistant, models["target"].get("eos_token_ids", []), methods, peers, prompts, ids,
-                  llama)
+                  llama, others)
+
+
+def _cost_entry(gen) -> dict:
+    costs = gen.costs()
+    return {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
+
+
+def _system_name(gen, taken: list[str]) -> str:
+    """"specrt int4" for an engine set with an int4 target, else "specrt <directory name>"."""
+    name = f"specrt {gen.target.spec.get('engine', {}).get('weights', 'float32')}"
+    return name if name not in taken and name != "specrt float32" else f"specrt {gen.directory.name}"
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> Bench:
@@ -242,7 +264,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
     sweep_methods = [m for m in s.methods if m in ("draft", "ngram")]  # the methods γ applies to
     sweep_n = min(cfg.sweep_prompts, len(s.ids)) if cfg.gamma_sweep and sweep_methods else 0
-    systems = len(s.methods) + len(s.peers) + bool(s.llamacpp)
+    compared = [(name, other, entry["methods"]) for (name, other), entry in zip(s.others, bench.info["compare"])]
+    for _, other, methods in compared:
+        for m in methods:
+            run_specrt(other, s.ids[0], m, 0.0, 4, cfg.seed)
+    systems = len(s.methods) + len(s.peers) + bool(s.llamacpp) + sum(len(m) for _, _, m in compared)
     memory = cfg.memory and _memory_available(bench.notes)
     total = len(s.ids) * len(cfg.temperatures) * systems + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep)) \
         + (systems if memory else 0)
@@ -261,6 +287,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
                 row = run_specrt(s.gen, p, m, temp, new, cfg.seed + i)
                 reference = row["output_ids"] if m == "autoregressive" and temp == 0 else reference
                 record(bench.runs, row, i)
+            for name, other, methods in compared:
+                for m in methods:
+                    record(bench.runs, {**run_specrt(other, p, m, temp, new, cfg.seed + i), "system": name}, i)
             for name in s.peers:
                 record(bench.runs, run_peer(s.target, p, name, temp, new, cfg.seed + i, s.eos, s.assistant), i)
             if s.llamacpp:
@@ -347,8 +376,10 @@ def _memory_specs(cfg: BenchConfig, s: _Setup, bench: Bench) -> list[dict]:
     common = {"engines": str(cfg.engines), "device": cfg.device, "threads": bench.info["threads"], "ids": s.ids,
               "temperature": cfg.temperatures[0], "max_new": cfg.max_new_tokens, "seed": cfg.seed, "eos": s.eos}
     systems = [("specrt", m) for m in s.methods] + [("transformers", p) for p in s.peers]
-    return [{**common, "system": system, "method": method}
-            for system, method in systems + ([LLAMACPP] if s.llamacpp else [])]
+    specs = [{**common, "system": system, "method": method}
+             for system, method in systems + ([LLAMACPP] if s.llamacpp else [])]
+    return specs + [{**common, "engines": entry["engines"], "system": entry["system"], "method": m}
+                    for entry in bench.info["compare"] for m in entry["methods"]]
 
 
 def measure_memory(spec: dict) -> dict:
@@ -398,7 +429,7 @@ def _load_system(spec: dict):
 
     temp, new, eos, threads = spec["temperature"], spec["max_new"], spec["eos"], spec["threads"]
     torch.set_num_threads(threads)
-    if spec["system"] == "specrt":
+    if spec["system"].startswith("specrt"):
         gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
         return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
     models = read_manifest(spec["engines"])["models"]
@@ -443,16 +474,20 @@ def _csv(kind):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
+@click.option("--compare", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Another engine set of the same target (e.g. built with --target-weights int4) whose methods run "
+                   "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
+                   "stay against ENGINES' autoregressive.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep, sweep_prompts,
-          peers, llamacpp, memory, seed, threads, device, out):
+          peers, llamacpp, memory, seed, threads, device, compare, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specrt.report import terminal_table, write_outputs
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
-                      sweep_prompts, peers, out, seed, threads, device, llamacpp, memory)
+                      sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare))
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:

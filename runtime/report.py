@@ -23,11 +23,18 @@ def _mean_positions(lists):
     return [_mean([xs[i] for xs in lists if len(xs) > i]) for i in range(width)]
 
 
-def _costs(info: dict) -> Costs:
-    return Costs(info["costs"]["draft_step_s"], info["costs"]["verify_s"])
+def _costs(info: dict) -> dict[str, Costs]:
+    """Each specrt system's measured costs: "specrt" (ENGINES) and every --compare engine set."""
+    entries = {"specrt": info["costs"], **{c["system"]: c["costs"] for c in info.get("compare", [])}}
+    return {name: Costs(e["draft_step_s"], {int(k): v for k, v in e["verify_s"].items()})
+            for name, e in entries.items()}
 
 
-def summarize(runs: list[dict], costs: Costs) -> list[dict]:
+def _order(system: str) -> tuple:
+    return (SYSTEM_ORDER.get(system.split(" ")[0], len(SYSTEM_ORDER)), system)
+
+
+def summarize(runs: list[dict], costs: dict[str, Costs]) -> list[dict]:
     """One row per (system, method, temperature): totals over prompts, speedup against specrt autoregressive
     at the same temperature (tokens/s over tokens/s, both measured in this run)."""
     groups = defaultdict(list)
@@ -38,14 +45,15 @@ def summarize(runs: list[dict], costs: Costs) -> list[dict]:
         tokens, time_s = sum(r["tokens"] for r in rs), sum(r["time_s"] for r in rs)
         alpha = _mean([r.get("alpha") for r in rs])
         gamma = _mean([r.get("gamma_mean") or r.get("gamma") for r in rs])
-        speculative = system == "specrt" and method != "autoregressive"
+        speculative = system.startswith("specrt") and method != "autoregressive"
         chain = method in ("draft", "ngram")   # the formula's model: a chain of γ drafts
+        cost = costs.get(system)
         rows.append({
             "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
             "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
-            "c": (costs.c if method.startswith("draft") else 0.0) if speculative else None,
+            "c": (cost.c if method.startswith("draft") else 0.0) if speculative else None,
             "gamma_mean": gamma,
-            "predicted_speedup": costs.predicted_speedup(alpha, max(1, round(gamma)))
+            "predicted_speedup": cost.predicted_speedup(alpha, max(1, round(gamma)))
             if chain and speculative and alpha is not None and gamma else None,
             "tree_size": _mean([r.get("tree_size") for r in rs]),
             "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
@@ -121,8 +129,8 @@ def _f(x, spec=".2f"):
 
 
 def table_rows(summary: list[dict]) -> list[list[str]]:
-    rows = sorted(summary, key=lambda r: (r["temperature"], SYSTEM_ORDER[r["system"]], r["system"] == "specrt"
-                                          and r["method"] != "autoregressive", r["method"]))
+    rows = sorted(summary, key=lambda r: (r["temperature"], _order(r["system"]), r["method"] != "autoregressive",
+                                          r["method"]))
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
              _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
              _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%"),
@@ -143,6 +151,15 @@ def terminal_table(summary: list[dict]):
     for row in table_rows(summary):
         table.add_row(*row)
     return table
+
+
+def _compare_lines(info: dict) -> list[str]:
+    """What the other specrt systems are (--compare engine sets), with their own pass times."""
+    ms = lambda s: _f(s * 1e3, ".1f")  # noqa: E731
+    return [f"`{c['system']}`: engines `{c['engines']}`, run in the same interleaved loop; its target's pass times "
+            "(ms) over k tokens: " + ", ".join(f"k={k}: {ms(t)}" for k, t in c["costs"]["verify_s"].items())
+            + f"; draft step {ms(c['costs']['draft_step_s'])} ms (c there is against this target)." + "\n"
+            for c in info.get("compare", [])]
 
 
 def report_markdown(results: dict) -> str:
@@ -170,7 +187,7 @@ def report_markdown(results: dict) -> str:
         "kernels, where specrt's target may hold them dequantized), the same prompt token ids, greedy or sampled with "
         "top-k/top-p/min-p off, n_threads = the threads above, a context of the engine's max_seq_len. Every row's "
         "tokens/s is new tokens over the wall time of the whole call, prefill included. Peak MB: see Peak memory.",
-        "",
+        "", *_compare_lines(info),
         "## Memory-bandwidth floor", "",
         f"Target weights {fl['weight_bytes'] / 1e6:.0f} MB (fp32) / read bandwidth "
         f"{fl['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (multi-threaded torch reduction, best of 5) = floor "
@@ -244,7 +261,8 @@ def plot_all(results: dict, out: Path) -> list[Path]:
     rows = sorted(results["summary"], key=lambda r: (r["temperature"], r["system"], r["method"]))
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
     labels = [f"{r['system']} {r['method']} T={r['temperature']:g}" for r in rows]
-    colors = [{"specrt": "tab:blue", "llama.cpp": "tab:orange"}.get(r["system"], "tab:gray") for r in rows]
+    colors = [{"specrt": "tab:blue", "llama.cpp": "tab:orange"}.get(r["system"], "tab:green" if r["system"]
+              .startswith("specrt") else "tab:gray") for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows], color=colors)
     ax.axvline(1 / results["floor"]["floor_step_s"], color="tab:red", ls="--",
                label="bandwidth limit, 1 token per step")
@@ -298,6 +316,7 @@ def write_outputs(bench) -> dict:
     cfg, info = bench.config, bench.info
     costs = _costs(info)
     summary = summarize(bench.runs, costs)
+    costs = costs["specrt"]
     attach_memory(summary, bench.memory)
     results = {
         "config": {"methods": list(cfg.methods), "temperatures": list(cfg.temperatures),

@@ -164,3 +164,31 @@ def test_bench_llamacpp_row(default_engines, tmp_path):
     assert r["info"]["versions"]["llama_cpp_python"]
     report = (out / "report.md").read_text()
     assert "| llama.cpp | generate | 0 |" in report and "llama.cpp's greedy output equalled" in report
+
+
+def test_bench_compares_an_int4_engine_set(engines, tmp_path):
+    """--compare: the int4 build of the same export runs its methods in the same loop, as `specrt int4`, with its
+    own pass times; speedups stay against ENGINES' autoregressive; its peak memory is measured from its own set."""
+    import shutil
+    from specrt.export.build import build
+    int4 = tmp_path / "int4"
+    shutil.copytree(engines, int4, ignore=shutil.ignore_patterns("*.ort.onnx"))
+    build(int4, "onnxruntime", log=lambda *_: None, target_weights="int4")
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [5, 6, 7, 8, 5, 6]}])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(engines), "--compare", str(int4), "--prompts", str(prompts),
+                                        "--temperatures", "0", "--max-new-tokens", str(NEW), "--num-prompts", "1",
+                                        "--gamma-sweep", "", "--no-peers", "--methods", "autoregressive,draft",
+                                        "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    rows = {(s["system"], s["method"]): s for s in r["summary"]}
+    assert set(rows) == {(system, m) for system in ("specrt", "specrt int4") for m in ("autoregressive", "draft")}
+    base = rows[("specrt", "autoregressive")]["tokens_per_s"]
+    assert rows[("specrt int4", "autoregressive")]["speedup"] == pytest.approx(
+        rows[("specrt int4", "autoregressive")]["tokens_per_s"] / base)
+    assert r["info"]["compare"][0]["system"] == "specrt int4" and r["info"]["compare"][0]["costs"]["c"] > 0
+    assert rows[("specrt int4", "draft")]["c"] == pytest.approx(r["info"]["compare"][0]["costs"]["c"])
+    if rss.available():
+        assert {(m["system"], m["method"]) for m in r["memory"]} == set(rows)
+    assert "`specrt int4`: engines" in (out / "report.md").read_text()
