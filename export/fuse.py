@@ -10,7 +10,9 @@
   terms (see `specrt.export.quantize`) merge with their MatMuls.
 - `specrt::TreeAttention` -> its function body inlined with the head counts as constants: the mask bias is built
   once per graph (ONNX Runtime inlines the function once per layer), and the reshapes in and around it take
-  constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left.
+  constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left. Each
+  row's new keys and values go at its own past_len in the layer's attention columns (not after the longest row's
+  cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`).
 
 The attention arithmetic is the function body's (the same MatMuls, scale, bias and Softmax), so a token's logits
 do not depend on the pass width more than before; ONNX Runtime's fused RoPE and norm kernels round differently from
@@ -295,7 +297,7 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         q, k_cache, v_cache, k_new, v_new, past_len, tree_mask = t.input
         if shared is None:
             shared = (past_len, tree_mask)
-            new.extend(_shared_nodes(H // Hkv, past_len, tree_mask))
+            new.extend(_shared_nodes(H // Hkv, Hkv, D, past_len, tree_mask))
             g.g.initializer.extend([_ints("fused/q_groups", [0, Hkv, -1, D]), _ints("fused/heads", [0, H, -1, D]),
                                     _ints("fused/kv_heads", [0, 0, Hkv, D]), _ints("fused/merged", [0, 0, H * D])])
         elif (past_len, tree_mask) != shared:   # the bias is built once, from the first node's inputs
@@ -309,10 +311,10 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         scale = next(a.f for a in t.attribute if a.name == "scale")
         dead.add(tuple(t.output))
         new += [
-            n("Slice", [k_cache, "fused/i0", "fused/L1", "fused/i2"], [p + "k_valid"]),    # (B, Hkv, L, D)
-            n("Slice", [v_cache, "fused/i0", "fused/L1", "fused/i2"], [p + "v_valid"]),
-            n("Concat", [p + "k_valid", k_new], [p + "keys"], axis=2),                     # (B, Hkv, L+S, D)
-            n("Concat", [p + "v_valid", v_new], [p + "values"], axis=2),
+            n("Slice", [k_cache, "fused/i0", "fused/T1", "fused/i2"], [p + "k_window"]),   # (B, Hkv, T, D)
+            n("Slice", [v_cache, "fused/i0", "fused/T1", "fused/i2"], [p + "v_window"]),
+            n("ScatterElements", [p + "k_window", "fused/slots", k_new], [p + "keys"], axis=2),  # new at past_len
+            n("ScatterElements", [p + "v_window", "fused/slots", v_new], [p + "values"], axis=2),
             n("Reshape", [q, "fused/q_groups"], [p + "qg"]),                               # (B, Hkv, G*S, D)
             n("Transpose", [p + "keys"], [p + "keys_t"], perm=[0, 1, 3, 2]),               # (B, Hkv, D, L+S)
             n("MatMul", [p + "qg", p + "keys_t"], [p + "raw"]),                            # (B, Hkv, G*S, L+S)
@@ -326,9 +328,15 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         counts["attention"] += 1
 
 
-def _shared_nodes(G: int, past_len: str, tree_mask: str) -> list:
-    """The additive mask bias (B, 1, G*S, L+S) every layer's attention adds, and L = max(past_len), built once:
-    cache slot j is visible iff j < past_len[b], new token j iff tree_mask[b, i, j] (as in TreeAttention's body)."""
+def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str) -> list:
+    """Built once per graph: the attention columns and their additive mask bias (B, 1, G*S, T).
+
+    Each layer attends over the cache's first T = max(past_len) + S slots with row b's S new keys and values
+    written at its own past_len[b] (in the layer's copy, not in the cache): every row sees its cache and its new
+    tokens in the columns it would have alone, so its softmax and P·V sums round as they do when it runs alone
+    (only masked columns follow). Column c is visible to new token i of row b iff c < past_len[b], or
+    c = past_len[b] + j with tree_mask[b, i, j] (as in TreeAttention's body, which puts the new tokens after
+    max(past_len) instead). `fused/slots` (B, Hkv, S, D): where each new entry goes."""
     n = helper.make_node
 
     def c(name, val, dtype=TensorProto.INT64, dims=()):
@@ -336,23 +344,43 @@ def _shared_nodes(G: int, past_len: str, tree_mask: str) -> list:
 
     return [
         c("fused/i0", [0], dims=[1]), c("fused/i1", [1], dims=[1]), c("fused/i2", [2], dims=[1]),
-        c("fused/zero", 0), c("fused/one", 1), c("fused/tile", [1, 1, G, 1], dims=[4]),
+        c("fused/i13", [1, 3], dims=[2]), c("fused/zero", 0), c("fused/one", 1),
+        c("fused/tile", [1, 1, G, 1], dims=[4]), c("fused/heads_dim", [1, Hkv, 1, D], dims=[4]),
         c("fused/fzero", 0.0, TensorProto.FLOAT), c("fused/ninf", float("-inf"), TensorProto.FLOAT),
-        n("ReduceMax", [past_len], ["fused/L"], keepdims=0),
-        n("Unsqueeze", ["fused/L", "fused/i0"], ["fused/L1"]),
-        n("Range", ["fused/zero", "fused/L", "fused/one"], ["fused/slots"]),
-        n("Unsqueeze", ["fused/slots", "fused/i0"], ["fused/slots_row"]),            # (1, L)
-        n("Unsqueeze", [past_len, "fused/i1"], ["fused/past_col"]),                # (B, 1)
-        n("Less", ["fused/slots_row", "fused/past_col"], ["fused/cache_ok"]),        # (B, L)
-        n("Unsqueeze", ["fused/cache_ok", "fused/i1"], ["fused/cache_ok3"]),         # (B, 1, L)
         n("Shape", [tree_mask], ["fused/mask_shape"]),                             # [B, S, S]
         n("Slice", ["fused/mask_shape", "fused/i0", "fused/i2", "fused/i0"], ["fused/BS"]),
-        n("Concat", ["fused/BS", "fused/L1"], ["fused/BSL"], axis=0),
-        n("Expand", ["fused/cache_ok3", "fused/BSL"], ["fused/cache_ok_s"]),         # (B, S, L)
-        n("Concat", ["fused/cache_ok_s", tree_mask], ["fused/visible"], axis=2),   # (B, S, L+S)
+        n("Slice", ["fused/mask_shape", "fused/i1", "fused/i2", "fused/i0"], ["fused/S1"]),
+        n("Squeeze", ["fused/S1", "fused/i0"], ["fused/S"]),
+        n("ReduceMax", [past_len], ["fused/L"], keepdims=0),
+        n("Add", ["fused/L", "fused/S"], ["fused/T"]),
+        n("Unsqueeze", ["fused/T", "fused/i0"], ["fused/T1"]),
+        n("Unsqueeze", [past_len, "fused/i1"], ["fused/past_col"]),                # (B, 1)
+        # where the new entries go: past_len[b] + j, broadcast over heads and head_dim
+        n("Range", ["fused/zero", "fused/S", "fused/one"], ["fused/new_j"]),        # (S,)
+        n("Add", ["fused/past_col", "fused/new_j"], ["fused/new_cols"]),           # (B, S)
+        n("Unsqueeze", ["fused/new_cols", "fused/i13"], ["fused/new_cols4"]),      # (B, 1, S, 1)
+        n("Expand", ["fused/new_cols4", "fused/heads_dim"], ["fused/slots"]),      # (B, Hkv, S, D)
+        # what each new token sees
+        n("Range", ["fused/zero", "fused/T", "fused/one"], ["fused/cols"]),         # (T,)
+        n("Sub", ["fused/cols", "fused/past_col"], ["fused/rel"]),                 # (B, T): c - past_len[b]
+        n("Less", ["fused/rel", "fused/zero"], ["fused/cache_ok"]),                # (B, T)
+        n("Less", ["fused/rel", "fused/S"], ["fused/before_end"]),
+        n("Not", ["fused/cache_ok"], ["fused/after_cache"]),
+        n("And", ["fused/after_cache", "fused/before_end"], ["fused/is_new"]),     # (B, T)
+        n("Sub", ["fused/S", "fused/one"], ["fused/last"]),
+        n("Max", ["fused/rel", "fused/zero"], ["fused/rel_lo"]),
+        n("Min", ["fused/rel_lo", "fused/last"], ["fused/j"]),                     # (B, T) clipped to [0, S)
+        n("Unsqueeze", ["fused/j", "fused/i1"], ["fused/j3"]),                     # (B, 1, T)
+        n("Concat", ["fused/BS", "fused/T1"], ["fused/BST"], axis=0),
+        n("Expand", ["fused/j3", "fused/BST"], ["fused/j_s"]),                       # (B, S, T)
+        n("GatherElements", [tree_mask, "fused/j_s"], ["fused/tree_ok"], axis=2),  # tree_mask[b, i, c - past_len]
+        n("Unsqueeze", ["fused/is_new", "fused/i1"], ["fused/is_new3"]),
+        n("And", ["fused/tree_ok", "fused/is_new3"], ["fused/new_ok"]),
+        n("Unsqueeze", ["fused/cache_ok", "fused/i1"], ["fused/cache_ok3"]),       # (B, 1, T)
+        n("Or", ["fused/new_ok", "fused/cache_ok3"], ["fused/visible"]),           # (B, S, T)
         n("Where", ["fused/visible", "fused/fzero", "fused/ninf"], ["fused/bias3"]),
-        n("Unsqueeze", ["fused/bias3", "fused/i1"], ["fused/bias4"]),                # (B, 1, S, L+S)
-        n("Tile", ["fused/bias4", "fused/tile"], ["fused/bias"]),                    # (B, 1, G*S, L+S)
+        n("Unsqueeze", ["fused/bias3", "fused/i1"], ["fused/bias4"]),                # (B, 1, S, T)
+        n("Tile", ["fused/bias4", "fused/tile"], ["fused/bias"]),                    # (B, 1, G*S, T)
     ]
 
 

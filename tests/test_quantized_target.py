@@ -174,3 +174,16 @@ def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
             assert out.token_ids[0] == ref, f"{method} {kw} on {prompt[:40]!r}"
             if method in ("medusa", "eagle"):
                 assert out.stats["tree_size"] == out.stats["tree_depth"]   # a chain
+
+
+@pytest.mark.slow
+def test_smollm2_int4_batch_rows_equal_their_lone_runs(smollm2_int4):
+    """Prompts of different lengths decoded together: each row's new tokens sit at its own cache length in the
+    attention columns (specrt.export.fuse), so on int8 activations too every row gives its lone run's tokens
+    (with the new tokens after the longest row's cache, one of these rows drifted at token 24)."""
+    from conftest import load_prompts
+    gen = Generator.from_engines(smollm2_int4)
+    prompts = load_prompts(4)
+    lone = [gen.generate(p, max_new_tokens=32).token_ids[0] for p in prompts]
+    for method in ("autoregressive", "draft"):
+        assert gen.generate(prompts, max_new_tokens=32, method=method).token_ids == lone, method
