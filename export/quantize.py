@@ -3,9 +3,8 @@
 int8: every MatMul with a constant weight becomes MatMulNBits with 8 bits (blocks of 32, int8 activations per
 block and per token). int4: every MatMul with a constant weight becomes ONNX Runtime's `com.microsoft::MatMulNBits`
 (blocks of 32 weights along K, a float scale and a uint8 zero point per block, int8 activations per block and per
-token). A target
-exported from a GGUF file (the manifest's `gguf` entry) keeps the file's own quantized values where its blocks
-map exactly:
+token). A target exported from a GGUF file (the manifest's `gguf` entry) keeps the file's own quantized values
+where its blocks map exactly:
   Q4_0  w = d*(q - 8)        -> 4 bits, zero point 8
   Q8_0  w = d*q              -> 8 bits, q + 128 with the default zero point 128 (an embedding Gather of
                                 it: GatherBlockQuantized over the same blocks, shared with a tied LM head)
