@@ -284,6 +284,10 @@ def tune_tree(engines, method, max_nodes, width, device):
         gen = Generator.from_engines(engines, device=device)
         if getattr(gen, method) is None:
             raise SpecrtError(f"{engines} has no {method} model to calibrate; export it first")
+        if gen.chains_only:
+            raise SpecrtError(f"{engines}'s target computes with int8 activations (--target-weights "
+                              f"{gen.target.spec['engine']['weights']}): tree methods verify chains there (the "
+                              "top candidate per depth), so there is no tree to tune; tune on a float32 build")
         prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else
                    [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(6)])
         if method == "eagle":   # a dynamic tree: its shape (top-k, depth, nodes), recorded in the manifest

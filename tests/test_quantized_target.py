@@ -35,6 +35,20 @@ def test_manifest_records_target_weights(quantized):
     assert manifest["models"]["draft"]["engine"]["weights"] == "int8"   # drafters as before
 
 
+def test_quantized_targets_verify_chains(quantized):
+    """int8 activations: the manifest says so, tree methods get chains, and tune-tree says there is no tree."""
+    from specrt.cli import main
+    weights, directory = quantized
+    assert json.loads((directory / "manifest.json").read_text())["models"]["target"]["engine"]["activations"] == "int8"
+    gen = Generator.from_engines(directory)
+    assert gen.chains_only
+    tree = gen._drafter("medusa", False, None, None, 3, 1).tree
+    assert tree.size == tree.max_depth + 1 and tree.mask.equal(tree.mask.tril())   # one node per depth
+    assert gen._drafter("draft", True, None, None, 3, 1).tree is None                # the draft's chain
+    result = CliRunner().invoke(main, ["tune-tree", str(directory), "--method", "medusa"])
+    assert result.exit_code != 0 and "verify chains there" in result.output and weights in result.output
+
+
 @pytest.mark.parametrize("method,kw", METHODS, ids=["draft", "ngram", "medusa", "draft-tree"])
 def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
     _, directory = quantized
