@@ -190,11 +190,12 @@ def _nbits_key(g: _Graph, node):
 def _merge_matmuls(g: _Graph, spec: dict, new, dead, counts):
     """MatMuls of one input by constant [K, N] weights -> one MatMul over the weights side by side, then a Split."""
     for x in list(g.consumers):
-        nodes = [node for node in g.consumers[x] if node.op_type == "MatMul" and node.input[0] == x
-                 and (w := g.const(node.input[1])) is not None and w.ndim == 2]
-        if len(nodes) < 2:
+        found = [(node, g.const(node.input[1])) for node in g.consumers[x]
+                 if node.op_type == "MatMul" and node.input[0] == x]
+        found = [(node, w) for node, w in found if w is not None and w.ndim == 2]
+        if len(found) < 2:
             continue
-        weights = [g.const(node.input[1]) for node in nodes]
+        nodes, weights = [node for node, _ in found], [w for _, w in found]
         p = f"{nodes[0].name or nodes[0].output[0]}/merged/"
         g.g.initializer.extend([numpy_helper.from_array(np.concatenate(weights, axis=1), p + "weight"),
                                 _ints(p + "sizes", [w.shape[1] for w in weights])])
@@ -316,8 +317,8 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
             n("ScatterElements", [p + "k_window", "fused/slots", k_new], [p + "keys"], axis=2),  # new at past_len
             n("ScatterElements", [p + "v_window", "fused/slots", v_new], [p + "values"], axis=2),
             n("Reshape", [q, "fused/q_groups"], [p + "qg"]),                               # (B, Hkv, G*S, D)
-            n("Transpose", [p + "keys"], [p + "keys_t"], perm=[0, 1, 3, 2]),               # (B, Hkv, D, L+S)
-            n("MatMul", [p + "qg", p + "keys_t"], [p + "raw"]),                            # (B, Hkv, G*S, L+S)
+            n("Transpose", [p + "keys"], [p + "keys_t"], perm=[0, 1, 3, 2]),               # (B, Hkv, D, T)
+            n("MatMul", [p + "qg", p + "keys_t"], [p + "raw"]),                            # (B, Hkv, G*S, T)
             n("Constant", [], [p + "scale"], value=helper.make_tensor(p + "scale", TensorProto.FLOAT, [], [scale])),
             n("Mul", [p + "raw", p + "scale"], [p + "scores"]),
             n("Add", [p + "scores", "fused/bias"], [p + "masked"]),

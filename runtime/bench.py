@@ -201,7 +201,7 @@ class _Setup:
     prompts: list[Prompt]
     ids: list[list[int]]
     llamacpp: object | None      # specrt.llamacpp.LlamaCpp
-    others: list = field(default_factory=list)   # (system name, Generator) of the --compare engine sets
+    others: list = field(default_factory=list)   # (system name, Generator, methods) per --compare engine set
 
 
 def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
@@ -227,13 +227,14 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     others = []
     for directory in cfg.compare:
         other = Generator.from_engines(directory, device=cfg.device, threads=bench.info["threads"])
-        name = _system_name(other, [n for n, _ in others])
+        name = _system_name(other, [n for n, _, _ in others])
         if other.manifest["models"]["target"]["source"] != models["target"]["source"]:
             raise InputError(f"--compare {directory}: its target is {other.manifest['models']['target']['source']}, "
                              f"{cfg.engines}'s is {models['target']['source']}: compare engine sets of one target")
-        others.append((name, other))
+        runnable = [m for m in methods if _runnable(other, m, bench.notes)]
+        others.append((name, other, runnable))
         bench.info["compare"].append({"system": name, "engines": str(directory), "costs": _cost_entry(other),
-                                      "methods": [m for m in methods if _runnable(other, m, bench.notes)]})
+                                      "methods": runnable})
     return _Setup(gen, target, assistant, models["target"].get("eos_token_ids", []), methods, peers, prompts, ids,
                   llama, others)
 
@@ -264,7 +265,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
     sweep_methods = [m for m in s.methods if m in ("draft", "ngram")]  # the methods γ applies to
     sweep_n = min(cfg.sweep_prompts, len(s.ids)) if cfg.gamma_sweep and sweep_methods else 0
-    compared = [(name, other, entry["methods"]) for (name, other), entry in zip(s.others, bench.info["compare"])]
+    compared = s.others
     for _, other, methods in compared:
         for m in methods:
             run_specrt(other, s.ids[0], m, 0.0, 4, cfg.seed)
