@@ -44,7 +44,7 @@ engines: $(ENGINES)/manifest.json
 # The default export's graphs, built with the target's 4-bit weights (the exported graphs are copied, not the engines).
 $(INT4)/manifest.json: $(ENGINES)/manifest.json
 	rm -rf $(INT4) && mkdir -p $(INT4)
-	cd $(ENGINES) && cp -r $$(ls -A | grep -v '\.ort\.onnx$$') $(CURDIR)/$(INT4)/
+	for f in $$(ls -A $(ENGINES) | grep -v '\.ort\.onnx$$'); do cp -r $(ENGINES)/$$f $(INT4)/; done
 	$(SPECRT) build $(INT4) --target-weights int4
 
 engines-int4: $(INT4)/manifest.json
