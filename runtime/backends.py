@@ -22,6 +22,16 @@ class StepOutput:
     logits: torch.Tensor   # (B, num_logits, V)
     hidden: torch.Tensor   # (B, S, d)
     new_kv: torch.Tensor   # (2L, B, Hkv, S, D)
+    host: tuple | None = None   # on the CPU: numpy views (logits, new_kv) of the same buffers, made with the binding
+
+    def host_logits(self):
+        """The logits as a numpy array (CPU outputs only): the loop's host rules read them without a torch call,
+        which right after a pass costs tens of µs of cold code."""
+        return self.host[0] if self.host is not None else self.logits.numpy()
+
+    def host_kv(self):
+        """new_kv as a numpy array (CPU outputs only), see host_logits."""
+        return self.host[1] if self.host is not None else self.new_kv.numpy()
 
 
 def engine_dtype(spec: dict) -> torch.dtype:
@@ -74,7 +84,7 @@ class OrtEngine:
         self._cache: KVCache | None = None
         self._outputs: StepOutput | None = None
         self._outputs_for: tuple[int, int, int] | None = None   # (B, S, num_logits) the outputs are bound for
-        self._inputs: dict[str, tuple] = {}     # name -> (address, shape) bound now
+        self._inputs: dict[str, tuple] = {}     # name -> (tensor, (address, shape, device)) bound now
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
@@ -116,12 +126,15 @@ class OrtEngine:
             num = self._num[num_logits] = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
                  "tree_mask": tree_mask, "num_logits": num, **extra}
-        feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
         for name, t in feeds.items():
+            bound = self._inputs.get(name)
+            if bound is not None and bound[0] is t:   # the loop's persistent inputs: the same tensor as bound
+                continue
+            t = t.contiguous()
             key = (t.data_ptr(), t.shape, t.device)
-            if self._inputs.get(name) != key:   # past_len, the chain masks and num_logits mostly stay bound
+            if bound is None or bound[1] != key:
                 self._bind("input", name, t)
-                self._inputs[name] = key
+            self._inputs[name] = (t, key)   # keeps the bound tensor alive while it is bound
         if self._outputs_for != (B, S, num_logits):
             self._bind_outputs(B, S, num_logits)
         self.session.run_with_iobinding(self.binding)
@@ -141,7 +154,8 @@ class OrtEngine:
         self._bind("output", "hidden", hidden)
         for i in range(2 * self.layers):
             self._bind("output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i])
-        self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv), (B, S, num_logits)
+        host = (logits.numpy(), new_kv.numpy()) if self.device.type == "cpu" and self.dtype != torch.bfloat16 else None
+        self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv, host), (B, S, num_logits)
 
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
         """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""

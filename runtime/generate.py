@@ -73,14 +73,54 @@ class _Run:
         self._tokens = torch.from_numpy(self._host_tokens).to(device)
         self._lengths = torch.from_numpy(self._host_lengths).to(device)
         self.rows: list[_Row] = []
-        self.hidden: torch.Tensor | None = None       # (B, d) target hidden state at each row's last accepted position
-        self.path_hidden: torch.Tensor | None = None  # (B, D+1, d) target hidden states along the last accepted path
+        self._hidden: torch.Tensor | None = None       # see hidden
+        self._path_hidden: torch.Tensor | None = None  # see path_hidden
+        self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
+        self.arange = np.arange(max(capacity, max_len))
+        self._inputs: dict[tuple[int, int], tuple] = {}
         self.resize(0)
+
+    def inputs(self, B: int, S: int) -> "_Inputs":
+        """A verify pass's inputs for B rows of S tokens, made once per shape (see _Inputs)."""
+        got = self._inputs.get((B, S))
+        if got is None:
+            got = self._inputs[(B, S)] = _Inputs(B, S, self.device)
+        return got
+
+    def after_pass(self, features: torch.Tensor, path, n) -> None:
+        """A verify pass ran: its features (B, S, d), the accepted path's node ids (B, D+1) (None for a chain: the
+        pass's own order) and accepted counts (B,), as device tensors or host arrays. path_hidden and hidden are
+        taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
+        self._pass, self._path_hidden, self._hidden = (features, path, n), None, None
+
+    def _device(self, a) -> torch.Tensor:
+        return a if isinstance(a, torch.Tensor) else torch.tensor(a, device=self.device)
+
+    @property
+    def path_hidden(self) -> torch.Tensor | None:
+        """(B, D+1, d) the target's hidden states along the last accepted path, root first."""
+        if self._path_hidden is None and self._pass is not None:
+            feats, path, _ = self._pass
+            self._path_hidden = feats if path is None else \
+                feats.gather(1, self._device(path)[..., None].expand(-1, -1, feats.shape[-1]))
+        return self._path_hidden
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """(B, d) the target's hidden state at each row's last accepted position (Medusa's input)."""
+        if self._hidden is None and self._pass is not None:
+            n = self._device(self._pass[2])
+            self._hidden = self.path_hidden[torch.arange(len(n), device=n.device), n]   # a copy
+        return self._hidden
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor) -> None:
+        self._hidden, self._path_hidden, self._pass = value, None, None
 
     def resize(self, n: int) -> None:
         self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
@@ -109,6 +149,26 @@ class _Run:
     def output(self, b: int) -> list[int]:
         """Row b's new tokens so far."""
         return self.host_tokens[b, self.rows[b].prompt_len:self.host_lengths[b]].tolist()
+
+
+class _Inputs:
+    """A verify pass's ids and positions for one shape (B, S): device tensors (2, B, S) that the engine keeps
+    bound round after round, and the host array the loop fills (`host`, and its pinned tensor): on the CPU the
+    same memory, elsewhere copied over once a round (`send`). Also the shape's chain mask and empty proposal,
+    so that a round looks nothing up on the device."""
+
+    def __init__(self, B: int, S: int, device: torch.device):
+        self.host_tensor = torch.zeros(2, B, S, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host = self.host_tensor.numpy()
+        self.device = self.host_tensor.to(device)
+        self.ids, self.positions = self.device.unbind(0)
+        self.chain_mask = chain_mask(B, S, device)
+        self.empty = Proposal.empty(B, device)
+        self.empty_valid = self.empty.valid.cpu().numpy()
+
+    def send(self) -> None:
+        if self.device is not self.host_tensor:
+            self.device.copy_(self.host_tensor, non_blocking=True)
 
 
 class Generator:
@@ -360,68 +420,76 @@ class Generator:
                    if a)
         return max(0, min(gamma, self._room(run), left - 1))
 
-    def _verify(self, run: _Run, proposal: Proposal):
+    def _verify(self, run: _Run, proposal: Proposal) -> list[list[int]]:
         """One target pass over [last token, proposal] per row (a chain or a tree), written into the cache at
-        past_len = length − 1. Returns accepted counts, next tokens, accepted paths (node ids, root first) and the
-        pass's tokens."""
+        past_len = length − 1; a tree's accepted path is compacted into consecutive slots. Returns the round's one
+        host read: per row the accepted count, the next token, the proposal's width and the accepted path's
+        tokens (root first), see _account. The pass's inputs come from the host mirrors; on the CPU the greedy
+        rules run on the host too (numpy over views of the engine's buffers: right after a pass each distinct
+        torch operation costs tens of µs of cold code, numpy a few)."""
         B, g = proposal.tokens.shape
-        cache, dev = run.cache, run.device
-        # the round's inputs from the host mirrors: numpy is cheaper than device ops on a few values
-        past = np.minimum(run.host_lengths - 1, run.max_len - 1 - g)                      # (B,)
-        last = run.host_tokens[np.arange(B), run.host_lengths - 1][:, None]              # (B, 1)
-        cache.truncate(torch.from_numpy(past))
-        ids = torch.from_numpy(last).to(dev)
-        if g:
-            ids = torch.cat([ids, proposal.tokens], 1)                                  # (B, S)
-        tree = proposal.tree.on(dev) if proposal.tree is not None else None
-        depth = tree.depth if tree is not None else _arange(g + 1, dev)
-        mask = tree.mask.expand(B, -1, -1).contiguous() if tree is not None else chain_mask(B, g + 1, dev)
-        pos = (cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)
-        out = self._timed(self.target, cache, ids, pos, mask, g + 1)
-        cache.write(out.new_kv)
-        if tree is not None:
-            rule = (lambda: verification.tree_greedy(out.logits, ids, tree)) if run.params.greedy else \
-                (lambda: verification.tree_sampled(probs(out.logits, run.params), ids, tree, run.generator))
-            n, nxt, path = rule()
-            path = path.clamp(min=0)                                                    # padding past the leaf
+        cache, dev, tree = run.cache, run.device, proposal.tree
+        on_host = dev.type == "cpu"
+        # plain Python over the rows: on a few values it beats numpy's broadcasting, whose first use after a pass
+        # costs ~50 µs of cold code
+        top, past = run.max_len - 1, []
+        inputs = run.inputs(B, g + 1)
+        host = inputs.host                                                                # (2, B, S): ids, positions
+        depth = tree.depth_list if tree is not None else range(g + 1)
+        for b, n in enumerate(run.host_lengths.tolist()):
+            past.append(min(n - 1, top - g))
+            host[0, b, 0] = run.host_tokens[b, n - 1]
+            host[1, b] = [min(past[b] + d, top) for d in depth]
+        cache.truncate(past)
+        if on_host:
+            if g:
+                host[0, :, 1:] = proposal.tokens.numpy()
         else:
+            inputs.send()
+            if g:
+                inputs.ids[:, 1:] = proposal.tokens
+        ids = inputs.ids
+        mask = tree.batch_mask(B, dev) if tree is not None else inputs.chain_mask
+        out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
+        run.path_start = cache.past_len
+        if on_host and run.params.greedy and out.host is not None:   # the rule in plain Python on the host
+            cache.write(out.host_kv())
+            best, tokens = out.host_logits().argmax(-1).tolist(), host[0].tolist()       # (B, S) each
+            path = None
+            if tree is not None:
+                rows, path = verification.tree_greedy_host(best, tokens, tree)
+                cache.compact(path)
+            else:
+                width = proposal.valid.numpy().sum(1).tolist() if g else [0] * B
+                rows = verification.greedy_host(best, tokens, width)
+            run.after_pass(out.hidden, path, [r[0] for r in rows])
+            return rows
+        if tree is not None:
+            dtree = tree.on(dev)
+            n, nxt, path = verification.tree_greedy(out.logits, ids, dtree) if run.params.greedy else \
+                verification.tree_sampled(probs(out.logits, run.params), ids, dtree, run.generator)
+            cache.write(out.new_kv)
+            path = path.clamp(min=0)                                                    # padding past the leaf
+            cache.compact(path)
+            tokens, width = ids.gather(1, path), torch.full_like(n, tree.max_depth)
+        else:
+            cache.write(out.new_kv)
             if run.params.greedy:
                 n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
             else:
                 P = probs(out.logits, run.params)                                       # (B, γ+1, V)
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
-            path = _arange(g + 1, dev).expand(B, -1)
-        # the target's features along the accepted path (views of the engine's buffer when it is a chain: they
-        # are read by the next proposal, before the target's next pass)
-        d = out.hidden.shape[-1]
-        run.path_hidden = out.hidden if tree is None else out.hidden.gather(1, path[..., None].expand(-1, -1, d))
-        run.path_start = cache.past_len
-        run.hidden = run.path_hidden[:, 0] if g == 0 else \
-            run.path_hidden.gather(1, n[:, None, None].expand(-1, 1, d))[:, 0]            # (B, d) for Medusa
-        return n, nxt, path, ids
+            path, tokens, width = None, ids, proposal.valid.sum(1)
+        run.after_pass(out.hidden, path, n)
+        return torch.cat([n[:, None], nxt[:, None], width[:, None], tokens], 1).tolist()   # the read
 
-    def _commit(self, run: _Run, proposal: Proposal, n: torch.Tensor, nxt: torch.Tensor, path: torch.Tensor,
-                ids: torch.Tensor) -> tuple[int, int]:
-        """Append each live row's accepted drafts and next token (cut at a stop), after compacting a tree path's KV
-        entries into consecutive slots. The device gives the round's one host read (accepted counts, next
-        tokens, the path's tokens, proposal widths); the bookkeeping is host work on the mirrors."""
-        tree = proposal.tree
-        if tree is not None:
-            run.cache.compact(path)
-            ids = ids.gather(1, path)                                                   # (B, D+1) root first
-            width = torch.full_like(n, tree.max_depth)
-        else:
-            width = proposal.valid.sum(1)                                               # a chain's path is itself
-        host = torch.cat([n[:, None], nxt[:, None], width[:, None], ids], 1).cpu().numpy()  # the read
-        return self._account(run, host)
-
-    def _account(self, run: _Run, host: np.ndarray, first: int = 0) -> tuple[int, int]:
+    def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
         the proposal width, then the path's tokens (root first). Writes the mirrors (on the CPU, the device
         tensors themselves), the stop reasons and the acceptance counts. Plain Python over the rows: for the
         few rows of a batch it costs a fraction of numpy's per-call overhead."""
         accepted = proposed = 0
-        for b, (n, nxt, width, _root, *path) in enumerate(host.tolist(), first):
+        for b, (n, nxt, width, _root, *path) in enumerate(host, first):
             if not run.active[b]:
                 continue
             row = run.rows[b]
@@ -525,6 +593,7 @@ class Batch:
         if dev.type != "cpu":
             run.tokens[r:].copy_(torch.from_numpy(run.host_tokens[r:]))
             run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
+        kept = run.hidden[:r].clone() if r else None   # the live rows' (the prefill reuses the engine's buffers)
         one = run.pool.row(r)
         one.truncate(0)
         out = gen._timed(gen.target, one, run.tokens[r:r + 1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
@@ -535,12 +604,12 @@ class Batch:
         logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         hidden = out.hidden[:, -1].expand(copies, -1)
-        run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
+        run.hidden = torch.cat([kept, hidden]) if r else hidden.clone()                # (B, d)
         run.prompt_hidden = out.hidden                                                  # (1, m, d)
         if self.drafter is not None:
             self.drafter.join(run, r, copies)
         zero = torch.zeros(copies, 1, dtype=torch.int64, device=dev)
-        gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).cpu().numpy(), first=r)
+        gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
 
     def cancel(self, which: Callable[[object], bool]) -> None:
         """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them."""
@@ -552,9 +621,10 @@ class Batch:
         """The finished rows and their new tokens, taken out of the batch: the last live rows move into the freed
         ones (their caches, the drafter's state and the host rows), so that the live rows stay first."""
         run = self.run
-        done = [b for b in range(run.batch) if not run.active[b]]
-        if not done:
+        active = run.active.tolist()
+        if all(active):
             return []
+        done = [b for b, a in enumerate(active) if not a]
         finished = [(run.rows[b], run.output(b)) for b in done]
         live = [b for b in range(run.batch) if run.active[b]]
         n = len(live)
@@ -580,23 +650,27 @@ class Batch:
     def step(self) -> None:
         """One round over the live rows: propose, verify, accept, commit."""
         run, gen, drafter, tree = self.run, self.gen, self.drafter, self.tree
-        if not run.active.any():
+        active = run.active.tolist()   # host lists, not numpy reductions: see _verify
+        live = active.count(True)
+        if not live:
             return
-        began, live, n = time.perf_counter(), int(run.active.sum()), run.batch
+        began, n = time.perf_counter(), run.batch
         timed = True
         if tree is not None:   # a tree round needs cache room for the whole tree, else a plain step
             g = tree.max_depth if gen._room(run) >= tree.size - 1 else 0
             if g and self.trees is not None:
                 timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time
                 g = g if timed and self.trees.choose() else 0
+        elif drafter is None:
+            g = 0
         else:
             if self.policy is not None:
                 self.policy.costs = gen.costs(min(n, MAX_MEASURED_BATCH))
-            g = gen._fit_gamma(run, (self.policy.choose() if self.policy else self.gamma or MAX_GAMMA)
-                               if drafter else 0)
-        proposal = drafter.propose(run, g) if drafter and g else Proposal.empty(run.batch, run.device)
-        taking_part = [row for row, a in zip(run.rows, run.active) if a]
-        accepted, proposed = gen._commit(run, proposal, *gen._verify(run, proposal))
+            g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
+            g = gen._fit_gamma(run, g) if g else 0
+        proposal = drafter.propose(run, g) if drafter and g else run.inputs(run.batch, 1).empty
+        taking_part = [row for row, a in zip(run.rows, active) if a]
+        accepted, proposed = gen._account(run, gen._verify(run, proposal))
         if drafter is not None:
             drafter.observe(run)
         run.rounds += 1

@@ -1,6 +1,11 @@
-"""Static KV cache: one preallocated buffer for all layers, written by position, truncated by moving `past_len`."""
+"""Static KV cache: one preallocated buffer for all layers, written by position, truncated by moving `past_len`.
+
+On the CPU the cache's small bookkeeping goes through numpy views of the same memory: right after a target pass
+(which streams all the weights through the caches) every distinct torch operation costs 50–100 µs of cold code,
+numpy's basic slicing a few."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -14,27 +19,48 @@ class KVCache:
         self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, device=device, dtype=dtype)
         self.past_len = torch.zeros(batch, dtype=torch.int64, device=device)
         self.length = length
+        self._host_views()
+
+    def _host_views(self) -> None:
+        """On the CPU: numpy views of the data and of past_len (None elsewhere; data also for bfloat16, which numpy
+        lacks)."""
+        cpu = self.data.device.type == "cpu"
+        self.host_data = self.data.numpy() if cpu and self.data.dtype != torch.bfloat16 else None
+        self.host_past = self.past_len.numpy() if cpu else None
 
     def layer_buffers(self) -> list[torch.Tensor]:
         return list(self.data.unbind(0))  # each (B, Hkv, Smax, D), contiguous views
 
-    def write(self, new_kv: torch.Tensor, start: torch.Tensor | None = None) -> None:
-        """Write the S new entries (2L, B, Hkv, S, D) of each row at `start[b]` (default `past_len`)."""
-        start = self.past_len if start is None else start
+    def write(self, new_kv: torch.Tensor | np.ndarray, start: torch.Tensor | None = None) -> None:
+        """Write the S new entries (2L, B, Hkv, S, D) of each row at `start[b]` (default `past_len`). On the CPU
+        `new_kv` may be a numpy view (StepOutput.host_kv)."""
         S = new_kv.shape[3]
-        if new_kv.shape[1] == 1 and start.device.type == "cpu":   # one row on the host: a plain slice is cheapest
-            p = int(start[0])
-            self.data[:, 0, :, p:p + S] = new_kv[:, 0]
+        if self.host_data is not None:   # the CPU: a slice per row
+            start = self.host_past if start is None else start.numpy() if isinstance(start, torch.Tensor) else start
+            new = new_kv if isinstance(new_kv, np.ndarray) else new_kv.numpy()
+            for b in range(new.shape[1]):
+                p = int(start[b])
+                fit = max(0, min(S, self.length - p))   # entries past the end are scratch: dropped
+                self.host_data[:, b, :, p:p + fit] = new[:, b, :, :fit]
             return
+        start = self.past_len if start is None else start
         slots = (start[:, None] + torch.arange(S, device=start.device)).clamp_(max=self.length - 1)  # (B, S)
         rows = torch.arange(new_kv.shape[1], device=start.device)[:, None]                                 # (B, 1)
         by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
         by_row[rows, slots] = new_kv.permute(1, 3, 0, 2, 4)               # (B, S, 2L, Hkv, D)
 
-    def compact(self, offsets: torch.Tensor) -> None:
+    def compact(self, offsets) -> None:
         """Move each row's entries at `past_len[b] + offsets[b]` (B, n) to consecutive slots from `past_len[b]`
-        (accepted tree paths), all rows at once on the cache's device."""
+        (accepted tree paths), all rows at once on the cache's device (on the CPU `offsets` may be host data)."""
+        if self.host_data is not None:   # the CPU: offsets on the host, a gather per row
+            offsets = offsets.numpy() if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
         n = offsets.shape[1]
+        if self.host_data is not None:
+            src = np.minimum(self.host_past[:, None] + offsets, self.length - 1)
+            for b, p in enumerate(self.host_past.tolist()):
+                fit = max(0, min(n, self.length - p))
+                self.host_data[:, b, :, p:p + fit] = self.host_data[:, b].take(src[b, :fit], 2)   # take copies
+            return
         base = self.past_len[:, None]                                     # (B, 1)
         src = (base + offsets).clamp_(0, self.length - 1)                 # (B, n)
         dst = (base + torch.arange(n, device=base.device)).clamp_(max=self.length - 1)
@@ -63,6 +89,7 @@ class KVCache:
     def _view(self, rows: slice) -> "KVCache":
         view = KVCache.__new__(KVCache)
         view.data, view.past_len, view.length = self.data[:, rows], self.past_len[rows], self.length
+        view._host_views()
         return view
 
     def copy_row(self, src: int, dst: int, count: int) -> None:
@@ -72,6 +99,12 @@ class KVCache:
         self.data[:, dst, :, :count] = self.data[:, src, :, :count]
         self.past_len[dst] = self.past_len[src]
 
-    def truncate(self, length: int | torch.Tensor) -> None:
-        """O(1) rollback: only the index moves."""
-        self.past_len[:] = length
+    def truncate(self, length: int | list[int] | np.ndarray | torch.Tensor) -> None:
+        """O(1) rollback: only the index moves. `length`: one for all rows, or one per row (a host array or a
+        tensor on the cache's device)."""
+        if self.host_past is not None and not isinstance(length, torch.Tensor):
+            self.host_past[:] = length
+        elif isinstance(length, (np.ndarray, list)):
+            self.past_len.copy_(torch.as_tensor(length), non_blocking=True)
+        else:
+            self.past_len[:] = length

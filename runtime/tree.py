@@ -7,6 +7,7 @@ model (top-k at each step of its top-1 chain) fill the same tree.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,17 +28,17 @@ class Tree:
     leaves: torch.Tensor             # (L, max_depth+1) node ids of each root-to-leaf path, -1 padded
     parent_ids: torch.Tensor         # (N+1,) int64, parent node (the root is its own parent)
     child_table: torch.Tensor        # (N+1, max children) children in rank order, -1 padded
-    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this tree's tensors there
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this tree's tensors there; batch masks
 
     @property
     def size(self) -> int:
         return len(self.parent)      # nodes including the root
 
-    @property
+    @functools.cached_property
     def max_depth(self) -> int:
         return int(self.depth.max())
 
-    @property
+    @functools.cached_property
     def max_rank(self) -> int:
         return int(self.rank.max()) + 1
 
@@ -89,6 +90,18 @@ class Tree:
                      ("depth", "rank", "mask", "leaves", "parent_ids", "child_table")}
             self._copies[device] = replace(self, **moved, _copies={})
         return self._copies[device]
+
+    @functools.cached_property
+    def depth_list(self) -> list[int]:
+        """depth as a list (the CPU loop's)."""
+        return self.depth.tolist()
+
+    def batch_mask(self, batch: int, device) -> torch.Tensor:
+        """The mask for `batch` rows (B, N+1, N+1) on `device`, made once per size (an engine keeps it bound)."""
+        key = ("mask", batch, str(device))
+        if key not in self._copies:
+            self._copies[key] = self.on(device).mask.expand(batch, -1, -1).contiguous()
+        return self._copies[key]
 
     @classmethod
     def chain(cls, depth: int) -> "Tree":

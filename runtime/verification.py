@@ -7,6 +7,7 @@ propose fewer than γ). Returns the number of accepted drafts per row (B,) and t
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specrt.sampling import argmax, sample
@@ -19,6 +20,20 @@ def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor
     match = (draft == best[:, :-1]) & valid                            # (B, γ)
     n = match.int().cumprod(1).sum(1)                                  # (B,)
     return n, best.gather(1, n[:, None])[:, 0]
+
+
+def greedy_host(best: list[list[int]], tokens: list[list[int]], width: list[int]) -> list[list[int]]:
+    """greedy() on the host, in plain Python over the target's argmax `best` (B lists of γ+1) and the pass's
+    tokens (B lists: the root, then the drafts; row b has width[b] real drafts). Returns per row
+    [n, next token, width, root, accepted drafts...] (the loop's commit). The CPU loop's: right after a pass
+    each distinct torch or numpy operation costs tens of µs of cold code, the interpreter's own a few."""
+    rows = []
+    for bb, tt, w in zip(best, tokens, width):
+        n = 0
+        while n < w and tt[n + 1] == bb[n]:
+            n += 1
+        rows.append([n, bb[n], w] + tt[:n + 1])
+    return rows
 
 
 def residual(P_n: torch.Tensor, Q_n: torch.Tensor) -> torch.Tensor:
@@ -72,6 +87,26 @@ def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
     n = reach.gather(1, leaf[:, None])[:, 0] - 1
     last = path.gather(1, n[:, None])[:, 0]
     return n, best.gather(1, last[:, None])[:, 0], path
+
+
+def tree_greedy_host(best: list[list[int]], tokens: list[list[int]], tree) -> tuple[list[list[int]], list]:
+    """tree_greedy() on the host, in plain Python (see greedy_host): the deepest root-to-node path on which every
+    node is its parent's argmax, the first such leaf in the tree's leaf order on a tie. Returns the commit rows
+    (width: the tree's depth) and each row's path as node ids, root first, padded with its last node to
+    max_depth + 1 (the nodes to compact)."""
+    rows, paths = [], []
+    D = tree.max_depth
+    for bb, tt in zip(best, tokens):
+        path, stack = [0], [[0]]
+        while stack:   # depth-first in rank order: the first deepest path is tree_greedy's leaf
+            here = stack.pop()
+            if len(here) > len(path):
+                path = here
+            stack.extend(here + [c] for c in reversed(tree.children[here[-1]]) if tt[c] == bb[here[-1]])
+        n = len(path) - 1
+        rows.append([n, bb[path[-1]], D] + [tt[i] for i in path])
+        paths.append(path + [path[-1]] * (D - n))
+    return rows, paths
 
 
 def without(R: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
