@@ -22,7 +22,7 @@ class StepOutput:
     logits: torch.Tensor   # (B, num_logits, V)
     hidden: torch.Tensor   # (B, S, d)
     new_kv: torch.Tensor   # (2L, B, Hkv, S, D)
-    host: tuple | None = None   # on the CPU: numpy views (logits, new_kv) of the same buffers, made with the binding
+    host: tuple | None = None   # on the CPU: numpy views (logits, new_kv, hidden) of the same buffers, made once
 
     def host_logits(self):
         """The logits as a numpy array (CPU outputs only): the loop's host rules read them without a torch call,
@@ -32,6 +32,10 @@ class StepOutput:
     def host_kv(self):
         """new_kv as a numpy array (CPU outputs only), see host_logits."""
         return self.host[1] if self.host is not None else self.new_kv.numpy()
+
+    def host_hidden(self):
+        """hidden as a numpy array (CPU outputs only), see host_logits."""
+        return self.host[2] if self.host is not None else self.hidden.numpy()
 
 
 def engine_dtype(spec: dict) -> torch.dtype:
@@ -154,7 +158,8 @@ class OrtEngine:
         self._bind("output", "hidden", hidden)
         for i in range(2 * self.layers):
             self._bind("output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i])
-        host = (logits.numpy(), new_kv.numpy()) if self.device.type == "cpu" and self.dtype != torch.bfloat16 else None
+        host = (logits.numpy(), new_kv.numpy(), hidden.numpy()) if self.device.type == "cpu" and \
+            self.dtype != torch.bfloat16 else None
         self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv, host), (B, S, num_logits)
 
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
@@ -194,11 +199,13 @@ class OrtHeads:
         self.sequential = bool(spec.get("sequential"))
         self.vocab_size = spec.get("vocab_size") or self.session.get_outputs()[0].shape[-1]
         self._out = torch.empty(0, device=self.device)
+        self._views: dict[tuple, torch.Tensor] = {}   # shape -> the output buffer's view, made once
+        self._bound: dict[str, torch.Tensor] = {}      # name -> the tensor bound now
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """Every head at once -> (B, K, V). `tokens` (B, K): the token that follows `hidden`'s position (the root),
         then the path below it that sequential heads read (each head i the first i + 1; the others use at most
-        the root)."""
+        the root). copy=False: the output buffer itself, valid (and the caller's to overwrite) until the next run."""
         if self.sequential:
             B, K = tokens.shape[0], self.num_heads
             heads = torch.arange(K, device=tokens.device).repeat(B)
@@ -207,24 +214,26 @@ class OrtHeads:
         feeds = {"hidden": hidden}
         if self.root_token:
             feeds["token"] = tokens[:, 0]
-        return self._run(feeds, "medusa_logits", (hidden.shape[0], self.num_heads, self.vocab_size))
+        return self._run(feeds, "medusa_logits", (hidden.shape[0], self.num_heads, self.vocab_size), copy)
 
     def logits(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """Sequential heads: row m runs head[m] on hidden[m] and its path tokens[m] (M, K) -> (M, V)."""
         return self._run({"hidden": hidden, "tokens": tokens, "head": head}, "logits",
                          (hidden.shape[0], self.vocab_size))
 
-    def _run(self, feeds: dict, output: str, shape: tuple) -> torch.Tensor:
-        feeds = {name: t.contiguous() for name, t in feeds.items()}  # kept alive until the run returns
-        for name, t in feeds.items():
-            bind_tensor(self.binding, "input", name, t, self.device)
-        numel = math.prod(shape)
-        if self._out.numel() < numel:
-            self._out = torch.empty(numel, device=self.device)
-        out = self._out[:numel].view(shape)
-        bind_tensor(self.binding, "output", output, out, self.device)
+    def _run(self, feeds: dict, output: str, shape: tuple, copy: bool = True) -> torch.Tensor:
+        out = self._views.get(shape)
+        if out is None:
+            numel = math.prod(shape)
+            if self._out.numel() < numel:
+                self._out, self._views = torch.empty(numel, device=self.device), {}
+            out = self._views[shape] = self._out[:numel].view(shape)
+        for kind, name, t in [("input", name, t) for name, t in feeds.items()] + [("output", output, out)]:
+            if self._bound.get(name) is not t:   # persistent inputs (the CPU loop's) and the view stay bound
+                t = self._bound[name] = t.contiguous()   # kept alive while bound
+                bind_tensor(self.binding, kind, name, t, self.device)
         self.session.run_with_iobinding(self.binding)
-        return out.clone()   # the buffer is reused by the next run
+        return out.clone() if copy else out   # the buffer is reused by the next run
 
 
 def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.device) -> None:

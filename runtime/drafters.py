@@ -26,10 +26,17 @@ class Proposal:
     q: torch.Tensor | None        # (B, γ, V) or None (deterministic)
     valid: torch.Tensor           # (B, γ) bool, a prefix of each row
     tree: Tree | None = None      # set when the proposal is a tree (always deterministic)
+    host: tuple | None = None     # (tokens as a numpy array, widths as a list) when the drafter made them on the host
 
     @classmethod
     def empty(cls, batch: int, device="cpu") -> "Proposal":
         return _empty_proposal(batch, torch.device(device))
+
+    def on_host(self) -> tuple:
+        """(tokens as a numpy array, each row's number of valid drafts as a list): the CPU loop's view."""
+        if self.host is None:
+            self.host = (self.tokens.numpy(), self.valid.numpy().sum(1).tolist())
+        return self.host
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,6 +66,25 @@ def _chain_mask(batch: int, size: int, device) -> torch.Tensor:
 _cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
 
 
+class PassInputs:
+    """A pass's ids and positions for one shape (B, S): device tensors (2, B, S) that the engine keeps bound pass
+    after pass, and the host array the loop fills (`host`, and its pinned tensor): on the CPU the same memory,
+    elsewhere copied over once a pass (`send`). Also the shape's chain mask and empty proposal, so that a round
+    looks nothing up on the device. Made once per shape by its user (the loop, a drafter)."""
+
+    def __init__(self, B: int, S: int, device: torch.device):
+        self.host_tensor = torch.zeros(2, B, S, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
+        self.host = self.host_tensor.numpy()
+        self.device = self.host_tensor.to(device)
+        self.ids, self.positions = self.device.unbind(0)
+        self.chain_mask = chain_mask(B, S, device)
+        self.empty = Proposal.empty(B, device)
+
+    def send(self) -> None:
+        if self.device is not self.host_tensor:
+            self.device.copy_(self.host_tensor, non_blocking=True)
+
+
 class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
     least the first n−2−s tokens of a row of length n, where s counts the rounds it did not propose in since
@@ -69,6 +95,8 @@ class DraftModelDrafter:
 
     def __init__(self, engine, timer, tree: Tree | None = None):
         self.engine, self.timer, self.tree = engine, timer, tree
+        self.inputs: dict[tuple[int, int], PassInputs] = {}   # the host path's, per shape
+        self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
     pool = None   # the cache's rows for the whole batch, made at the first join
 
@@ -98,10 +126,12 @@ class DraftModelDrafter:
         B, smax, dev = run.batch, run.max_len, run.device
         # a row that joined after the last proposal may be shorter than w: it is fed from its start (one round of
         # poor drafts for it, its cache right again after); w never exceeds the longest row
-        w = min(2 + run.rounds - self.next_round, int(run.host_lengths.max()))
+        w = min(2 + run.rounds - self.next_round, max(run.host_lengths.tolist()))
         self.next_round = run.rounds + 1
-        start = (run.lengths - w).clamp(min=0)
         self.cache = self.pool.prefix(B)
+        if dev.type == "cpu" and self.tree is None and run.params.greedy:
+            return self._propose_on_host(run, gamma, w)
+        start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
         feed = start[:, None] + torch.arange(w, device=dev)
         ids = run.tokens.gather(1, feed)                                                # (B, w)
@@ -131,6 +161,35 @@ class DraftModelDrafter:
         toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64, device=dev)
         q = torch.stack(qs, 1) if qs else None
         return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool, device=dev))
+
+    def _inputs(self, B: int, S: int) -> PassInputs:
+        if (B, S) not in self.inputs:
+            self.inputs[(B, S)] = PassInputs(B, S, self.pool.data.device)
+        return self.inputs[(B, S)]
+
+    def _propose_on_host(self, run, gamma: int, w: int) -> Proposal:
+        """The greedy chain on the CPU, its bookkeeping in plain Python and numpy views of the engine's buffers
+        (see Generator._verify): the draft model's steps are short, so their host work counts twice over."""
+        B, top, cache = run.batch, run.max_len - 1, self.cache
+        inputs, past = self._inputs(B, w), []
+        for b, n in enumerate(run.host_lengths.tolist()):
+            past.append(max(n - w, 0))
+            inputs.host[0, b] = run.host_tokens[b, past[b]:past[b] + w]
+            inputs.host[1, b] = [min(past[b] + j, top) for j in range(w)]
+        cache.truncate(past)
+        drafts = np.zeros((B, gamma), np.int64)
+        for i in range(gamma):
+            out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, 1)
+            cache.write(out.host_kv(), past)
+            past = [p + inputs.host.shape[2] for p in past]
+            cache.truncate(past)
+            inputs, logits = self._inputs(B, 1), out.host_logits()
+            for b, p in enumerate(past):
+                drafts[b, i] = inputs.host[0, b, 0] = logits[b, -1].argmax()
+                inputs.host[1, b, 0] = min(p, top)
+        if (B, gamma) not in self.valid:
+            self.valid[(B, gamma)] = torch.ones(B, gamma, dtype=torch.bool, device="cpu")
+        return Proposal(torch.from_numpy(drafts), None, self.valid[(B, gamma)], host=(drafts, [gamma] * B))
 
 
 class NgramDrafter:
@@ -189,6 +248,11 @@ class MedusaDrafter:
         self.heads, self.tree = heads, tree
         self.timer = timer or (lambda fn, *args: fn(*args))   # counts the heads' passes as engine time
         self.levels = _levels(tree, heads.num_heads) if heads.sequential else None
+        depth, rank = tree.depth.tolist(), tree.rank.tolist()
+        self.slots = list(zip(depth[1:], rank[1:]))   # each node's (depth, rank)
+        self.ranks = [max(r for d, r in self.slots if d == level) + 1 for level in range(1, tree.max_depth + 1)]
+        self.buffers: dict[int, tuple] = {}   # the host path's, per batch size: roots, their numpy view, valid
+        self.logits = self.host_logits = None  # the heads' output buffer and its numpy view
 
     def join(self, run, row: int, copies: int) -> None:
         pass
@@ -201,6 +265,8 @@ class MedusaDrafter:
 
     def propose(self, run, gamma: int) -> Proposal:
         tree, k = self.tree, self.tree.max_rank
+        if self.levels is None and run.hidden.device.type == "cpu":
+            return self._propose_on_host(run)
         if self.levels is None:
             tokens = run.last_tokens()[:, None].expand(-1, self.heads.num_heads)
             logits = self.timer(self.heads.forward, run.hidden, tokens)[:, :tree.max_depth]          # (B, D, V)
@@ -218,6 +284,37 @@ class MedusaDrafter:
             top = top_k_ids(logits, k).view(B, P, k)
             nodes[:, children] = top[:, slot, rank]
         return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool, device=dev), tree)
+
+
+    def _propose_on_host(self, run) -> Proposal:
+        """The tree on the CPU: the roots from the host mirrors, each depth's top-k by argmaxes over the heads'
+        own output buffer (taken candidates set to -inf in place), the bookkeeping in plain Python (see
+        Generator._verify)."""
+        B, K, N = run.batch, self.heads.num_heads, self.tree.size - 1
+        if B not in self.buffers:
+            roots, nodes = (torch.zeros(B, n, dtype=torch.int64, device="cpu") for n in (K, N))
+            self.buffers[B] = (roots, roots.numpy(), nodes, nodes.numpy(), torch.ones(B, N, dtype=torch.bool,
+                                                                                      device="cpu"))
+        roots, host_roots, nodes, host_nodes, valid = self.buffers[B]
+        for b, token in enumerate(run.host_last_tokens()):
+            host_roots[b] = token
+        logits = self.timer(self.heads.forward, run.hidden, roots, False)             # (B, K, V), the heads' buffer
+        if self.logits is not logits:
+            self.logits, self.host_logits = logits, logits.numpy()
+        for b in range(B):
+            top = [_top_k_in_place(self.host_logits[b, d], k) for d, k in enumerate(self.ranks)]
+            host_nodes[b] = [top[d - 1][r] for d, r in self.slots]
+        return Proposal(nodes, None, valid, self.tree, host=(host_nodes, None))
+
+
+def _top_k_in_place(row: np.ndarray, k: int) -> list[int]:
+    """The k largest entries' indices of a 1-D array, largest first (the first of equal maxima first), each
+    set to -inf once taken: k vectorised argmaxes, no copy of the row."""
+    ids = []
+    for _ in range(k):
+        ids.append(int(row.argmax()))
+        row[ids[-1]] = -np.inf
+    return ids
 
 
 def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:

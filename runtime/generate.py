@@ -13,7 +13,7 @@ import torch
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.backends import OrtHeads, engine_class, pick_device
-from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, _arange, chain_mask
+from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
@@ -76,27 +76,28 @@ class _Run:
         self._hidden: torch.Tensor | None = None       # see hidden
         self._path_hidden: torch.Tensor | None = None  # see path_hidden
         self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
+        self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
         self.arange = np.arange(max(capacity, max_len))
-        self._inputs: dict[tuple[int, int], tuple] = {}
+        self._inputs: dict[tuple[int, int], PassInputs] = {}
         self.resize(0)
 
-    def inputs(self, B: int, S: int) -> "_Inputs":
-        """A verify pass's inputs for B rows of S tokens, made once per shape (see _Inputs)."""
+    def inputs(self, B: int, S: int) -> PassInputs:
+        """A verify pass's inputs for B rows of S tokens, made once per shape (see PassInputs)."""
         got = self._inputs.get((B, S))
         if got is None:
-            got = self._inputs[(B, S)] = _Inputs(B, S, self.device)
+            got = self._inputs[(B, S)] = PassInputs(B, S, self.device)
         return got
 
-    def after_pass(self, features: torch.Tensor, path, n) -> None:
-        """A verify pass ran: its features (B, S, d), the accepted path's node ids (B, D+1) (None for a chain: the
-        pass's own order) and accepted counts (B,), as device tensors or host arrays. path_hidden and hidden are
-        taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
-        self._pass, self._path_hidden, self._hidden = (features, path, n), None, None
+    def after_pass(self, out, path, n) -> None:
+        """A verify pass ran: its StepOutput (features (B, S, d)), the accepted path's node ids (B, D+1) (None for
+        a chain: the pass's own order) and accepted counts (B,), as device tensors or host lists. path_hidden and
+        hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
+        self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
 
     def _device(self, a) -> torch.Tensor:
         return a if isinstance(a, torch.Tensor) else torch.tensor(a, device=self.device)
@@ -105,7 +106,7 @@ class _Run:
     def path_hidden(self) -> torch.Tensor | None:
         """(B, D+1, d) the target's hidden states along the last accepted path, root first."""
         if self._path_hidden is None and self._pass is not None:
-            feats, path, _ = self._pass
+            feats, path = self._pass[0].hidden, self._pass[1]
             self._path_hidden = feats if path is None else \
                 feats.gather(1, self._device(path)[..., None].expand(-1, -1, feats.shape[-1]))
         return self._path_hidden
@@ -114,8 +115,18 @@ class _Run:
     def hidden(self) -> torch.Tensor | None:
         """(B, d) the target's hidden state at each row's last accepted position (Medusa's input)."""
         if self._hidden is None and self._pass is not None:
-            n = self._device(self._pass[2])
-            self._hidden = self.path_hidden[torch.arange(len(n), device=n.device), n]   # a copy
+            out, path, n = self._pass
+            if isinstance(n, list) and out.host is not None:   # the CPU's host path: a row copy each
+                feats, B = out.host_hidden(), len(n)
+                if B not in self._hidden_rows:
+                    self._hidden_rows[B] = torch.zeros(B, feats.shape[-1], device="cpu")
+                self._hidden = self._hidden_rows[B]
+                host = self._hidden.numpy()
+                for b, k in enumerate(n):
+                    host[b] = feats[b, k if path is None else path[b][k]]
+            else:
+                n = self._device(n)
+                self._hidden = self.path_hidden[torch.arange(len(n), device=n.device), n]   # a copy
         return self._hidden
 
     @hidden.setter
@@ -139,6 +150,10 @@ class _Run:
         """(B,) each row's last committed token."""
         return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
 
+    def host_last_tokens(self) -> list[int]:
+        """Each row's last committed token, from the host mirrors."""
+        return [int(self.host_tokens[b, n - 1]) for b, n in enumerate(self.host_lengths.tolist())]
+
     def new_tokens(self, b: int) -> list[int]:
         """Row b's tokens since the last call for it."""
         row = self.rows[b]
@@ -149,26 +164,6 @@ class _Run:
     def output(self, b: int) -> list[int]:
         """Row b's new tokens so far."""
         return self.host_tokens[b, self.rows[b].prompt_len:self.host_lengths[b]].tolist()
-
-
-class _Inputs:
-    """A verify pass's ids and positions for one shape (B, S): device tensors (2, B, S) that the engine keeps
-    bound round after round, and the host array the loop fills (`host`, and its pinned tensor): on the CPU the
-    same memory, elsewhere copied over once a round (`send`). Also the shape's chain mask and empty proposal,
-    so that a round looks nothing up on the device."""
-
-    def __init__(self, B: int, S: int, device: torch.device):
-        self.host_tensor = torch.zeros(2, B, S, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.host = self.host_tensor.numpy()
-        self.device = self.host_tensor.to(device)
-        self.ids, self.positions = self.device.unbind(0)
-        self.chain_mask = chain_mask(B, S, device)
-        self.empty = Proposal.empty(B, device)
-        self.empty_valid = self.empty.valid.cpu().numpy()
-
-    def send(self) -> None:
-        if self.device is not self.host_tensor:
-            self.device.copy_(self.host_tensor, non_blocking=True)
 
 
 class Generator:
@@ -412,26 +407,26 @@ class Generator:
 
     def _room(self, run: _Run) -> int:
         """Tokens that every live row can still add to its cache beyond the pending one."""
-        return run.max_len - int(run.host_lengths[run.active].max())
+        return run.max_len - max(n for n, a in zip(run.host_lengths.tolist(), run.active.tolist()) if a)
 
     def _fit_gamma(self, run: _Run, gamma: int) -> int:
         """No more drafts than the cache has room for, or than the row with the fewest tokens left can still emit."""
-        left = min(r.max_new - (int(n) - r.prompt_len) for r, n, a in zip(run.rows, run.host_lengths, run.active)
-                   if a)
+        left = min(r.max_new - (n - r.prompt_len) for r, n, a in zip(run.rows, run.host_lengths.tolist(),
+                                                                       run.active.tolist()) if a)
         return max(0, min(gamma, self._room(run), left - 1))
 
     def _verify(self, run: _Run, proposal: Proposal) -> list[list[int]]:
         """One target pass over [last token, proposal] per row (a chain or a tree), written into the cache at
         past_len = length − 1; a tree's accepted path is compacted into consecutive slots. Returns the round's one
         host read: per row the accepted count, the next token, the proposal's width and the accepted path's
-        tokens (root first), see _account. The pass's inputs come from the host mirrors; on the CPU the greedy
-        rules run on the host too (numpy over views of the engine's buffers: right after a pass each distinct
-        torch operation costs tens of µs of cold code, numpy a few)."""
+        tokens (root first), see _account. The pass's inputs come from the host mirrors into buffers the engine
+        keeps bound. On the CPU the greedy rules run in plain Python over numpy views of the engine's buffers, and
+        only the accepted entries are written to the cache: a pass streams all the weights through the caches, so
+        right after it every distinct torch or numpy operation costs tens of µs of cold code and data (a torch
+        round took ~0.8 ms of host time, this one ~0.25)."""
         B, g = proposal.tokens.shape
         cache, dev, tree = run.cache, run.device, proposal.tree
         on_host = dev.type == "cpu"
-        # plain Python over the rows: on a few values it beats numpy's broadcasting, whose first use after a pass
-        # costs ~50 µs of cold code
         top, past = run.max_len - 1, []
         inputs = run.inputs(B, g + 1)
         host = inputs.host                                                                # (2, B, S): ids, positions
@@ -443,7 +438,7 @@ class Generator:
         cache.truncate(past)
         if on_host:
             if g:
-                host[0, :, 1:] = proposal.tokens.numpy()
+                host[0, :, 1:] = proposal.on_host()[0]
         else:
             inputs.send()
             if g:
@@ -453,16 +448,15 @@ class Generator:
         out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
         run.path_start = cache.past_len
         if on_host and run.params.greedy and out.host is not None:   # the rule in plain Python on the host
-            cache.write(out.host_kv())
-            best, tokens = out.host_logits().argmax(-1).tolist(), host[0].tolist()       # (B, S) each
-            path = None
+            logits, tokens, path = out.host_logits(), host[0].tolist(), None
             if tree is not None:
-                rows, path = verification.tree_greedy_host(best, tokens, tree)
-                cache.compact(path)
+                rows, path = verification.tree_greedy_host(logits, tokens, tree)
+                accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
             else:
-                width = proposal.valid.numpy().sum(1).tolist() if g else [0] * B
-                rows = verification.greedy_host(best, tokens, width)
-            run.after_pass(out.hidden, path, [r[0] for r in rows])
+                rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B)
+                accepted = [r[0] + 1 for r in rows]
+            cache.write(out.host_kv(), past, accepted)   # the accepted path's entries only, in order
+            run.after_pass(out, path, [r[0] for r in rows])
             return rows
         if tree is not None:
             dtree = tree.on(dev)
@@ -480,7 +474,7 @@ class Generator:
                 P = probs(out.logits, run.params)                                       # (B, γ+1, V)
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
-        run.after_pass(out.hidden, path, n)
+        run.after_pass(out, path, n)
         return torch.cat([n[:, None], nxt[:, None], width[:, None], tokens], 1).tolist()   # the read
 
     def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
@@ -489,8 +483,9 @@ class Generator:
         tensors themselves), the stop reasons and the acceptance counts. Plain Python over the rows: for the
         few rows of a batch it costs a fraction of numpy's per-call overhead."""
         accepted = proposed = 0
+        active, lengths, tokens = run.active.tolist(), run.host_lengths.tolist(), run.host_tokens
         for b, (n, nxt, width, _root, *path) in enumerate(host, first):
-            if not run.active[b]:
+            if not active[b]:
                 continue
             row = run.rows[b]
             accepted, proposed = accepted + n, proposed + width
@@ -500,13 +495,14 @@ class Generator:
                     run.per_position.append([0, 0])
                 run.per_position[i][0] += i < n
                 run.per_position[i][1] += 1
-            length = int(run.host_lengths[b])
+            length = lengths[b]
             new = (path[:n] + [nxt])[:min(row.max_new + row.prompt_len, run.max_len) - length]
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
             if eos is not None:
                 new = new[:eos + 1]
-            run.host_tokens[b, length:length + len(new)] = new
-            length += len(new)
+            for tok in new:
+                tokens[b, length] = tok
+                length += 1
             run.host_lengths[b] = length
             reason = ("eos" if eos is not None else "max_new_tokens" if length - row.prompt_len >= row.max_new else
                       "max_seq_len" if length >= run.max_len else None)

@@ -31,18 +31,26 @@ class KVCache:
     def layer_buffers(self) -> list[torch.Tensor]:
         return list(self.data.unbind(0))  # each (B, Hkv, Smax, D), contiguous views
 
-    def write(self, new_kv: torch.Tensor | np.ndarray, start: torch.Tensor | None = None) -> None:
+    def write(self, new_kv: torch.Tensor | np.ndarray, start: torch.Tensor | list[int] | None = None,
+              nodes: list | None = None) -> None:
         """Write the S new entries (2L, B, Hkv, S, D) of each row at `start[b]` (default `past_len`). On the CPU
-        `new_kv` may be a numpy view (StepOutput.host_kv)."""
-        S = new_kv.shape[3]
-        if self.host_data is not None:   # the CPU: a slice per row
-            start = self.host_past if start is None else start.numpy() if isinstance(start, torch.Tensor) else start
+        `new_kv` may be a numpy view (StepOutput.host_kv), `start` a list, and `nodes` picks per row the entries
+        to keep, written to consecutive slots: a count (the first ones) or a list of entries (a verify pass's
+        accepted path; the rest would be scratch)."""
+        if self.host_data is not None:   # the CPU: a slice or a take per row, in plain Python (see the module doc)
             new = new_kv if isinstance(new_kv, np.ndarray) else new_kv.numpy()
-            for b in range(new.shape[1]):
-                p = int(start[b])
-                fit = max(0, min(S, self.length - p))   # entries past the end are scratch: dropped
-                self.host_data[:, b, :, p:p + fit] = new[:, b, :, :fit]
+            start = self.host_past.tolist() if start is None else start.tolist() if hasattr(start, "tolist") else start
+            for b, p in enumerate(start):
+                keep = new.shape[3] if nodes is None else nodes[b]
+                if isinstance(keep, int):
+                    fit = max(0, min(keep, self.length - p))   # entries past the end are scratch: dropped
+                    self.host_data[:, b, :, p:p + fit] = new[:, b, :, :fit]
+                else:
+                    fit = max(0, min(len(keep), self.length - p))
+                    self.host_data[:, b, :, p:p + fit] = new[:, b].take(keep[:fit], 2)
             return
+        assert nodes is None, "nodes: the CPU's host path only"
+        S = new_kv.shape[3]
         start = self.past_len if start is None else start
         slots = (start[:, None] + torch.arange(S, device=start.device)).clamp_(max=self.length - 1)  # (B, S)
         rows = torch.arange(new_kv.shape[1], device=start.device)[:, None]                                 # (B, 1)
@@ -105,6 +113,6 @@ class KVCache:
         if self.host_past is not None and not isinstance(length, torch.Tensor):
             self.host_past[:] = length
         elif isinstance(length, (np.ndarray, list)):
-            self.past_len.copy_(torch.as_tensor(length), non_blocking=True)
+            self.past_len.copy_(torch.as_tensor(length, device="cpu"), non_blocking=True)
         else:
             self.past_len[:] = length

@@ -22,17 +22,19 @@ def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor
     return n, best.gather(1, n[:, None])[:, 0]
 
 
-def greedy_host(best: list[list[int]], tokens: list[list[int]], width: list[int]) -> list[list[int]]:
-    """greedy() on the host, in plain Python over the target's argmax `best` (B lists of γ+1) and the pass's
+def greedy_host(logits: np.ndarray, tokens: list[list[int]], width: list[int]) -> list[list[int]]:
+    """greedy() on the host, in plain Python over the target's logits (B, γ+1, V) (a numpy view) and the pass's
     tokens (B lists: the root, then the drafts; row b has width[b] real drafts). Returns per row
     [n, next token, width, root, accepted drafts...] (the loop's commit). The CPU loop's: right after a pass
-    each distinct torch or numpy operation costs tens of µs of cold code, the interpreter's own a few."""
+    each distinct torch or numpy operation costs tens of µs of cold code, the interpreter's own a few; and a
+    position's argmax is taken only when the drafts before it were accepted."""
     rows = []
-    for bb, tt, w in zip(best, tokens, width):
-        n = 0
-        while n < w and tt[n + 1] == bb[n]:
+    for b, (tt, w) in enumerate(zip(tokens, width)):
+        n, best = 0, int(logits[b, 0].argmax())
+        while n < w and tt[n + 1] == best:
             n += 1
-        rows.append([n, bb[n], w] + tt[:n + 1])
+            best = int(logits[b, n].argmax())
+        rows.append([n, best, w] + tt[:n + 1])
     return rows
 
 
@@ -89,22 +91,25 @@ def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
     return n, best.gather(1, last[:, None])[:, 0], path
 
 
-def tree_greedy_host(best: list[list[int]], tokens: list[list[int]], tree) -> tuple[list[list[int]], list]:
+def tree_greedy_host(logits: np.ndarray, tokens: list[list[int]], tree) -> tuple[list[list[int]], list]:
     """tree_greedy() on the host, in plain Python (see greedy_host): the deepest root-to-node path on which every
-    node is its parent's argmax, the first such leaf in the tree's leaf order on a tie. Returns the commit rows
-    (width: the tree's depth) and each row's path as node ids, root first, padded with its last node to
-    max_depth + 1 (the nodes to compact)."""
+    node is its parent's argmax (the first found in rank order on a tie), taking the argmax only at the nodes
+    reached. Returns the commit rows (width: the tree's depth) and each row's path as node ids, root first,
+    padded with its last node to max_depth + 1."""
     rows, paths = [], []
     D = tree.max_depth
-    for bb, tt in zip(best, tokens):
+    for b, tt in enumerate(tokens):
+        best = {}
         path, stack = [0], [[0]]
-        while stack:   # depth-first in rank order: the first deepest path is tree_greedy's leaf
+        while stack:   # depth-first in rank order
             here = stack.pop()
             if len(here) > len(path):
                 path = here
-            stack.extend(here + [c] for c in reversed(tree.children[here[-1]]) if tt[c] == bb[here[-1]])
+            node = here[-1]
+            best[node] = int(logits[b, node].argmax())
+            stack.extend(here + [c] for c in reversed(tree.children[node]) if tt[c] == best[node])
         n = len(path) - 1
-        rows.append([n, bb[path[-1]], D] + [tt[i] for i in path])
+        rows.append([n, best[path[-1]], D] + [tt[i] for i in path])
         paths.append(path + [path[-1]] * (D - n))
     return rows, paths
 

@@ -75,3 +75,26 @@ def test_batched_rows_write_at_their_own_past_len(tiny_engines):
     row0, row1 = out.logits[0, -1].clone(), out.logits[1, -1].clone()
     assert (row0 - fresh_last_logits(engine, a + [6])).abs().max() < TOL
     assert (row1 - fresh_last_logits(engine, b + [6])).abs().max() < TOL
+
+
+def test_host_writes_match_write_then_compact(tiny_engines):
+    """The CPU loop's writes (numpy views; only the accepted entries, by count or by node list) leave the cache as
+    the device path does: write every entry, then compact the accepted path."""
+    directory, _ = tiny_engines["llama"]
+    engine = Generator.from_engines(directory).target
+    g = torch.Generator().manual_seed(4)
+    host, device = engine.new_cache(2, 32), engine.new_cache(2, 32)
+    assert host.host_data is not None
+    device.host_data = device.host_past = None          # the torch path, as on a GPU
+    for cache in (host, device):
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g.manual_seed(4)))
+        cache.truncate(torch.tensor([5, 29]))            # row 1 near the end: entries past it are dropped
+    new_kv = torch.randn(host.data.shape[0], 2, host.data.shape[2], 4, host.data.shape[4], generator=g)
+    paths = [[0, 2, 3], [0, 1, 3, 3]]
+    host.write(new_kv.numpy(), [5, 29], paths)
+    device.write(new_kv)
+    device.compact(torch.tensor([p + [p[-1]] * (4 - len(p)) for p in paths]))
+    assert torch.equal(host.data[:, 0, :, :8], device.data[:, 0, :, :8])
+    assert torch.equal(host.data[:, 1, :, :32], device.data[:, 1, :, :32])
+    host.write(new_kv.numpy(), [10, 10], [2, 0])         # counts: the first entries of each row
+    assert torch.equal(host.data[:, 0, :, 10:12], new_kv[:, 0, :, :2])

@@ -10,8 +10,10 @@ from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
+from specrt.drafters import _top_k_in_place
 from specrt.generate import Generator
 from specrt.sampling import SamplingParams, argmax, probs, sample, top_k_ids
+from specrt.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
 N = 20000       # samples per test: enough to catch a 2% error
@@ -261,3 +263,42 @@ def test_verify_command(pair):
                           "--top-k", "0"], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "p = " in out.stdout and out.stdout.strip().endswith("PASS")
+
+
+def test_host_rules_match_the_device_rules():
+    """The CPU loop's plain-Python greedy rules (chain and tree) give the torch rules' counts, next tokens and
+    paths, on random logits with drafts that often match and rows of different widths."""
+    g = torch.Generator().manual_seed(5)
+    tree = Tree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+    for _ in range(40):
+        B, gamma = 3, 4
+        logits = torch.randn(B, gamma + 1, 7, generator=g)
+        best = logits.argmax(-1)
+        draft = torch.where(torch.rand(B, gamma, generator=g) < 0.7, best[:, :-1], torch.randint(0, 7, (B, gamma)))
+        width = torch.randint(0, gamma + 1, (B,), generator=g)
+        valid = torch.arange(gamma)[None] < width[:, None]
+        n, nxt = verification.greedy(logits, draft, valid)
+        tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64), draft], 1).tolist()
+        rows = verification.greedy_host(logits.numpy(), tokens, width.tolist())
+        assert [r[:3] for r in rows] == [[a, b, w] for a, b, w in zip(n.tolist(), nxt.tolist(), width.tolist())]
+        assert [r[3:] for r in rows] == [t[:a + 1] for t, a in zip(tokens, n.tolist())]
+        # a tree whose siblings are distinct tokens (as top-k candidates are), its nodes often their parent's argmax
+        logits = torch.randn(B, tree.size, 9, generator=g)
+        best = logits.argmax(-1)
+        nodes = torch.zeros(B, tree.size, dtype=torch.int64)
+        for i in range(1, tree.size):
+            p, r = tree.parent[i], int(tree.rank[i])
+            nodes[:, i] = (best[:, p] + r) % 9 if torch.rand(1, generator=g) < 0.8 else (best[:, p] + r + 1) % 9
+        n, nxt, path = verification.tree_greedy(logits, nodes, tree)
+        rows, paths = verification.tree_greedy_host(logits.numpy(), nodes.tolist(), tree)
+        assert [r[0] for r in rows] == n.tolist() and [r[1] for r in rows] == nxt.tolist()
+        for b, k in enumerate(n.tolist()):
+            assert paths[b][:k + 1] == path[b, :k + 1].tolist() and len(paths[b]) == tree.max_depth + 1
+            assert rows[b][3:] == nodes[b, path[b, :k + 1]].tolist()
+
+
+def test_top_k_in_place_matches_torch():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    row = x.numpy().copy()
+    assert _top_k_in_place(row, 5) == torch.topk(x, 5).indices.tolist()
+    assert np.isneginf(row).sum() == 5

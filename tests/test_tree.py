@@ -77,7 +77,8 @@ def test_medusa_heads_engine(tmp_path, kind):
     ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20).token_ids[0]
     out = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="medusa")
     assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
-    run = SimpleNamespace(batch=6, hidden=hidden, last_tokens=lambda: tokens[:, 0])
+    run = SimpleNamespace(batch=6, hidden=hidden, last_tokens=lambda: tokens[:, 0],
+                          host_last_tokens=lambda: tokens[:, 0].tolist())
     proposed = MedusaDrafter(gen.medusa, gen.tree_for("medusa")).propose(run, 3).tokens
     assert set(proposed.flatten().tolist()) <= set(kept)
 
