@@ -141,6 +141,7 @@ class OrtEngine:
             self._inputs[name] = (t, key)   # keeps the bound tensor alive while it is bound
         if self._outputs_for != (B, S, num_logits):
             self._bind_outputs(B, S, num_logits)
+        sync_torch(self.device)
         self.session.run_with_iobinding(self.binding)
         return self._outputs
 
@@ -232,8 +233,16 @@ class OrtHeads:
             if self._bound.get(name) is not t:   # persistent inputs (the CPU loop's) and the view stay bound
                 t = self._bound[name] = t.contiguous()   # kept alive while bound
                 bind_tensor(self.binding, kind, name, t, self.device)
+        sync_torch(self.device)
         self.session.run_with_iobinding(self.binding)
         return out.clone() if copy else out   # the buffer is reused by the next run
+
+
+def sync_torch(device: torch.device) -> None:
+    """On a GPU: wait for the work queued on torch's stream (the loop's input copies and small kernels) before a
+    session runs on ONNX Runtime's own stream (which it synchronises before returning). Nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.device) -> None:
