@@ -25,7 +25,7 @@ import torch
 
 from specrt.drafters import Proposal, _arange, chain_mask
 from specrt.errors import InputError
-from specrt.sampling import top_k_ids
+from specrt.sampling import top_k_scratch
 from specrt.tree import Tree
 
 
@@ -125,10 +125,9 @@ class EagleDrafter:
         """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N)."""
         k, dev = self.shape.top_k, logits.device
         live = torch.from_numpy(run.active).to(dev)
-        logp = torch.log_softmax(logits.float(), -1)
-        tok = top_k_ids(logp, k)                                                    # (B, k)
+        score, tok = top_k_scratch(torch.log_softmax(logits.float(), -1), k)         # (B, k) each
         paths = [(r,) for r in range(k)]                                            # the frontier, shared
-        score, feat = logp.gather(1, tok), feature[:, None].expand(-1, k, -1)       # (B, k), (B, k, d)
+        feat = feature[:, None].expand(-1, k, -1)                                   # (B, k, d)
         cand_paths, cand_tok, cand_score = list(paths), [tok], [score]
         fed_tok, fed_feat, fed_paths = [], [], []
         for d in range(1, depth):
@@ -136,9 +135,8 @@ class EagleDrafter:
             fed_feat.append(feat)
             fed_paths += paths
             out = self._expand(run, torch.cat(fed_tok, 1), torch.cat(fed_feat, 1), fed_paths, k)
-            child_logp = torch.log_softmax(out.logits.float(), -1)                 # (B, k, V)
-            ctok = top_k_ids(child_logp, k)                                         # (B, k, k)
-            cscore = (score[..., None] + child_logp.gather(-1, ctok)).flatten(1)  # (B, k*k)
+            child, ctok = top_k_scratch(torch.log_softmax(out.logits.float(), -1), k)   # (B, k, k) each
+            cscore = (score[..., None] + child).flatten(1)                         # (B, k*k)
             children = [p + (r,) for p in paths for r in range(k)]
             cand_paths += children
             cand_tok.append(ctok.flatten(1))

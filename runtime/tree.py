@@ -28,7 +28,7 @@ class Tree:
     leaves: torch.Tensor             # (L, max_depth+1) node ids of each root-to-leaf path, -1 padded
     parent_ids: torch.Tensor         # (N+1,) int64, parent node (the root is its own parent)
     child_table: torch.Tensor        # (N+1, max children) children in rank order, -1 padded
-    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this tree's tensors there; batch masks
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> the tensors there; masks
 
     @property
     def size(self) -> int:

@@ -12,7 +12,7 @@ from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.drafters import _top_k_in_place
 from specrt.generate import Generator
-from specrt.sampling import SamplingParams, argmax, probs, sample, top_k_ids
+from specrt.sampling import SamplingParams, argmax, probs, sample, top_k_ids, top_k_scratch
 from specrt.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
@@ -302,3 +302,6 @@ def test_top_k_in_place_matches_torch():
     row = x.numpy().copy()
     assert _top_k_in_place(row, 5) == torch.topk(x, 5).indices.tolist()
     assert np.isneginf(row).sum() == 5
+    x = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(2))
+    values, ids = top_k_scratch(x.clone(), 4)
+    assert torch.equal(values, torch.topk(x, 4).values) and torch.equal(ids, torch.topk(x, 4).indices)
