@@ -147,7 +147,7 @@ def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: in
     return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
             "output_ids": out.token_ids[0],
             "time_s": wall, "tokens_per_s": s["tokens"] / wall, "decode_time_s": wall - s["prefill_time_s"],
-            "rounds": s["rounds"], "alpha": s["acceptance_rate"],
+            "rounds": s["rounds"], "loop_time_s": s["loop_time_s"], "alpha": s["acceptance_rate"],
             "mean_tokens_per_round": s["mean_tokens_per_round"],
             "acceptance_per_position": s["acceptance_per_position"], "gamma": s["gamma"],
             "gamma_mean": s.get("gamma_mean"), "stop_reason": s["stop_reason"], "tree_size": s.get("tree_size"),

@@ -8,7 +8,7 @@ from pathlib import Path
 from specrt.adaptive import Costs, expected_tokens
 
 COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree", "plain",
-           "peak MB"]
+           "host ms", "peak MB"]
 SYSTEM_ORDER = {"specrt": 0, "transformers": 1, "llama.cpp": 2}
 MB = 1e6
 
@@ -58,6 +58,8 @@ def summarize(runs: list[dict], costs: dict[str, Costs]) -> list[dict]:
             "tree_size": _mean([r.get("tree_size") for r in rs]),
             "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
             "plain_share": _plain_share(rs),
+            "host_ms_per_round": 1e3 * sum(r["loop_time_s"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+            if all("loop_time_s" in r for r in rs) else None,
             "acceptance_per_position": _mean_positions([r.get("acceptance_per_position") or [] for r in rs]),
         })
     base = {r["temperature"]: r["tokens_per_s"] for r in rows
@@ -134,7 +136,7 @@ def table_rows(summary: list[dict]) -> list[list[str]]:
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
              _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
              _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%"),
-             _f(r.get("peak_memory_mb"), ".0f")]
+             _f(r.get("host_ms_per_round")), _f(r.get("peak_memory_mb"), ".0f")]
             for r in rows]
 
 
@@ -146,10 +148,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def terminal_table(summary: list[dict]):
     from rich.table import Table
     table = Table(title="specrt bench (speedup: against specrt autoregressive at the same temperature)")
-    for c in COLUMNS:
-        table.add_column(c, justify="left" if c in ("system", "method") else "right")
+    shown = [i for i, c in enumerate(COLUMNS) if c != "host ms"]   # the report has it; a terminal lacks the width
+    for i in shown:
+        table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("system", "method") else "right")
     for row in table_rows(summary):
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in shown))
     return table
 
 
@@ -180,7 +183,8 @@ def report_markdown(results: dict) -> str:
         "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
         "(medusa, draft-tree, eagle; α there is accepted length / tree depth). Plain: the share of rounds taken as "
         "plain target steps, where the measured acceptance did not pay for speculating (γ = 0 for chains, no tree for "
-        "tree methods). transformers rows: `generate` (greedy or "
+        "tree methods). Host ms: the loop's own time per round (wall time less engine passes, prefill "
+        "included), specrt rows. transformers rows: `generate` (greedy or "
         "sampling, top-k/top-p off), assisted "
         f"generation with the same draft, prompt lookup (prompt_lookup_num_tokens={cfg['peer_lookup_tokens']}). "
         "llama.cpp: llama-cpp-python on the GGUF file the target was exported from (its own quantized weights and "

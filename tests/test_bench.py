@@ -60,6 +60,12 @@ def test_bench_results_are_consistent(engines, tmp_path):
         assert s["tokens"] == sum(x["tokens"] for x in runs)
         assert s["time_s"] == pytest.approx(sum(x["time_s"] for x in runs))
         assert s["speedup"] == pytest.approx(s["tokens_per_s"] / base[s["temperature"]]["tokens_per_s"])
+        if s["system"] == "specrt":      # the loop's own time per round, below each run's wall time per round
+            assert 0 < s["host_ms_per_round"] == pytest.approx(
+                1e3 * sum(x["loop_time_s"] for x in runs) / sum(x["rounds"] for x in runs))
+            assert s["host_ms_per_round"] < 1e3 * s["time_s"] / sum(x["rounds"] for x in runs)
+        else:
+            assert s["host_ms_per_round"] is None
         if s["system"] == "specrt" and s["method"] == "draft":   # n-gram may find nothing to propose
             assert s["c"] > 0
             assert 1 <= s["mean_tokens_per_round"] <= 9
