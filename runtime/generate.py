@@ -17,7 +17,7 @@ from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Pass
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
-from specrt.sampling import SamplingParams, argmax, probs, sample
+from specrt.sampling import SamplingParams, argmax, probs, sample, sample_host
 from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
@@ -447,9 +447,15 @@ class Generator:
         mask = tree.batch_mask(B, dev) if tree is not None else inputs.chain_mask
         out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
         run.path_start = cache.past_len
-        if on_host and run.params.greedy and out.host is not None:   # the rule in plain Python on the host
+        params = run.params
+        plain_sample = not params.greedy and g == 0 and not params.top_k and params.top_p == 1
+        if on_host and (params.greedy or plain_sample) and out.host is not None:   # plain Python on the host
             logits, tokens, path = out.host_logits(), host[0].tolist(), None
-            if tree is not None:
+            if plain_sample:   # a plain sampled step: one uniform per row from the run's generator
+                u = torch.rand(B, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
+                rows = [[0, tok, 0, t[0]] for tok, t in zip(sample_host(logits[:, 0], params.temperature, u), tokens)]
+                accepted = [1] * B
+            elif tree is not None:
                 rows, path = verification.tree_greedy_host(logits, tokens, tree)
                 accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
             else:

@@ -12,7 +12,7 @@ from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.drafters import _top_k_in_place
 from specrt.generate import Generator
-from specrt.sampling import SamplingParams, argmax, probs, sample, top_k_ids, top_k_scratch
+from specrt.sampling import SamplingParams, argmax, probs, sample, sample_host, top_k_ids, top_k_scratch
 from specrt.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
@@ -144,6 +144,27 @@ def test_draft_distribution_is_the_target_distribution(pair, kw):
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
     print(f"draft {kw}: chi-square p = {p:.4f}")
     assert p > P_MIN
+
+
+@pytest.mark.parametrize("kw", CASES[:2], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_plain_sampling_is_the_target_distribution(pair, kw):
+    """Plain steps sample on the host on the CPU (numpy over the engine's logits): the law of the target's."""
+    gen, model = pair
+    prompt = [5, 1, 7]
+    out = sample_first3(gen, prompt, "autoregressive", None, seed=7, **kw)
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"autoregressive {kw}: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+def test_broken_plain_sampling_is_caught(pair, monkeypatch):
+    """Power: the host sampler at a wrong temperature fails the same test."""
+    import specrt.generate
+    gen, model = pair
+    real = specrt.generate.sample_host
+    monkeypatch.setattr(specrt.generate, "sample_host", lambda x, t, u: real(x, 1.3 * t, u))
+    out = sample_first3(gen, [5, 1, 7], "autoregressive", None, seed=7, temperature=1.0)
+    assert chi_square_p(out.token_ids, exact_joint(model, [5, 1, 7], SamplingParams(temperature=1.0))) < P_MIN
 
 
 def repeat_prompt(model):
@@ -305,3 +326,17 @@ def test_top_k_in_place_matches_torch():
     x = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(2))
     values, ids = top_k_scratch(x.clone(), 4)
     assert torch.equal(values, torch.topk(x, 4).values) and torch.equal(ids, torch.topk(x, 4).indices)
+
+
+def test_host_sampler_draws_the_given_law():
+    """sample_host walks the CDF by blocks (here ragged: 37 = 4 × 8 + 5): the law of softmax(x / T), and a token of
+    probability 0 is never drawn."""
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(1, 37)) * 2).astype(np.float32)
+    logits[0, 5] = -1e30
+    p = np.exp((logits[0].astype(np.float64) - logits[0].max()) / 0.8)
+    draws = [sample_host(logits, 0.8, [u], block=8)[0] for u in rng.random(20000)]
+    counts = np.bincount(draws, minlength=37)
+    assert counts[5] == 0
+    keep = p > 0
+    assert chisquare(counts[keep], p[keep] / p[keep].sum() * counts.sum()).pvalue > P_MIN
