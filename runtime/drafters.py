@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specrt.errors import InputError
-from specrt.sampling import argmax, probs, sample, top_k_ids
+from specrt.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids
 from specrt.tree import Tree
 
 
@@ -129,7 +129,7 @@ class DraftModelDrafter:
         w = min(2 + run.rounds - self.next_round, max(run.host_lengths.tolist()))
         self.next_round = run.rounds + 1
         self.cache = self.pool.prefix(B)
-        if dev.type == "cpu" and self.tree is None and run.params.greedy:
+        if dev.type == "cpu" and self.tree is None and (run.params.greedy or run.params.plain):
             return self._propose_on_host(run, gamma, w)
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
@@ -168,9 +168,13 @@ class DraftModelDrafter:
         return self.inputs[(B, S)]
 
     def _propose_on_host(self, run, gamma: int, w: int) -> Proposal:
-        """The greedy chain on the CPU, its bookkeeping in plain Python and numpy views of the engine's buffers
-        (see Generator._verify): the draft model's steps are short, so their host work counts twice over."""
-        B, top, cache = run.batch, run.max_len - 1, self.cache
+        """The chain on the CPU (greedy, or sampled from the temperature alone), its bookkeeping in plain Python
+        and numpy views of the engine's buffers (see Generator._verify): the draft model's steps are short, so
+        their host work counts twice over."""
+        B, top, cache, params = run.batch, run.max_len - 1, self.cache, run.params
+        if not params.greedy:   # the draft probabilities Q (B, γ, V), and a uniform per draft
+            q = np.empty((B, gamma, self.engine.spec["vocab_size"]), np.float32)
+            u = torch.rand(B, gamma, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
         inputs, past = self._inputs(B, w), []
         for b, n in enumerate(run.host_lengths.tolist()):
             past.append(max(n - w, 0))
@@ -185,11 +189,16 @@ class DraftModelDrafter:
             cache.truncate(past)
             inputs, logits = self._inputs(B, 1), out.host_logits()
             for b, p in enumerate(past):
-                drafts[b, i] = inputs.host[0, b, 0] = logits[b, -1].argmax()
-                inputs.host[1, b, 0] = min(p, top)
+                if params.greedy:
+                    drafts[b, i] = logits[b, -1].argmax()
+                else:
+                    q[b, i] = softmax_host(logits[b, -1], params.temperature)
+                    drafts[b, i] = draw_host(q[b, i], u[b][i])
+                inputs.host[0, b, 0], inputs.host[1, b, 0] = drafts[b, i], min(p, top)
         if (B, gamma) not in self.valid:
             self.valid[(B, gamma)] = torch.ones(B, gamma, dtype=torch.bool, device="cpu")
-        return Proposal(torch.from_numpy(drafts), None, self.valid[(B, gamma)], host=(drafts, [gamma] * B))
+        return Proposal(torch.from_numpy(drafts), None if params.greedy else torch.from_numpy(q),
+                        self.valid[(B, gamma)], host=(drafts, [gamma] * B))
 
 
 class NgramDrafter:

@@ -17,7 +17,7 @@ from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Pass
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
 from specrt.manifest import check_file, read_manifest
-from specrt.sampling import SamplingParams, argmax, probs, sample, sample_host
+from specrt.sampling import SamplingParams, argmax, probs, sample
 from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
@@ -448,13 +448,15 @@ class Generator:
         out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
         run.path_start = cache.past_len
         params = run.params
-        plain_sample = not params.greedy and g == 0 and not params.top_k and params.top_p == 1
-        if on_host and (params.greedy or plain_sample) and out.host is not None:   # plain Python on the host
+        chain_sample = not params.greedy and tree is None and params.plain
+        if on_host and (params.greedy or chain_sample) and out.host is not None:   # plain Python on the host
             logits, tokens, path = out.host_logits(), host[0].tolist(), None
-            if plain_sample:   # a plain sampled step: one uniform per row from the run's generator
-                u = torch.rand(B, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
-                rows = [[0, tok, 0, t[0]] for tok, t in zip(sample_host(logits[:, 0], params.temperature, u), tokens)]
-                accepted = [1] * B
+            if chain_sample:   # γ + 1 uniforms per row from the run's generator
+                u = torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
+                q = proposal.q.numpy() if proposal.q is not None else None
+                rows = verification.sampled_host(logits, tokens, proposal.on_host()[1] if g else [0] * B, q,
+                                                 params.temperature, u)
+                accepted = [r[0] + 1 for r in rows]
             elif tree is not None:
                 rows, path = verification.tree_greedy_host(logits, tokens, tree)
                 accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]

@@ -28,6 +28,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain(self) -> bool:
+        """Sampling from the temperature alone (top-k and top-p off): the CPU loop's host rules."""
+        return self.temperature > 0 and not self.top_k and self.top_p == 1
+
     def generator(self, device="cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         if self.seed is None:
@@ -96,27 +101,37 @@ def top_k_scratch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(values.reshape(shape)), torch.from_numpy(ids.reshape(shape))
 
 
+def softmax_host(row: np.ndarray, temperature: float, normalise: bool = True) -> np.ndarray:
+    """softmax(row / temperature) of one row of logits (a numpy view on the CPU) as a new float32 array; with
+    normalise=False the weights exp((row − max) / temperature), as draw_host takes them."""
+    e = row - row.max()
+    e *= np.float32(1 / temperature)
+    np.exp(e, out=e)
+    if normalise:
+        e /= e.sum()
+    return e
+
+
+def draw_host(weights: np.ndarray, u: float, block: int = 128) -> int:
+    """The inverse CDF of nonnegative weights (not necessarily normalised) at a uniform u in [0, 1): sample()'s
+    law; a weight of 0 is never drawn. The CDF is walked by blocks of `block` entries (numpy's cumsum over a whole
+    49,152-wide row takes ~160 µs, a block's sums ~20)."""
+    starts = np.arange(0, len(weights), block)
+    ends = np.cumsum(np.add.reduceat(weights, starts))                 # the CDF at each block's end
+    x = min(u * ends[-1], np.nextafter(ends[-1], 0))                   # strictly below the total
+    b = int(np.searchsorted(ends, x, side="right"))                    # the block where the CDF passes x
+    part = weights[starts[b]:starts[b] + block]
+    i = min(int(np.searchsorted(np.cumsum(part) + (ends[b - 1] if b else 0), x, side="right")), len(part) - 1)
+    while part[i] == 0:   # only where rounding pushed x to the block's end: its last entry of nonzero weight
+        i -= 1
+    return int(starts[b]) + i
+
+
 def sample_host(logits: np.ndarray, temperature: float, u: list[float], block: int = 128) -> list[int]:
-    """One token per row of logits (B, V) (a numpy view on the CPU) from softmax(logits / temperature), top-k and
-    top-p off, by the inverse CDF with the row's uniform u[b] in [0, 1): sample()'s law, where probs() + sample()
-    take a dozen torch operations (see Generator._verify). The CDF is walked by blocks of `block` entries (numpy's
-    cumsum over a whole 49,152-wide row takes ~160 µs, a block's sums ~20)."""
-    tokens = []
-    for row, ub in zip(logits, u):
-        e = row - row.max()
-        e *= np.float32(1 / temperature)
-        np.exp(e, out=e)
-        starts = np.arange(0, len(e), block)
-        ends = np.cumsum(np.add.reduceat(e, starts))                   # the CDF at each block's end
-        x = min(ub * ends[-1], np.nextafter(ends[-1], 0))               # strictly below the total
-        b = int(np.searchsorted(ends, x, side="right"))                 # the block where the CDF passes x
-        part = e[starts[b]:starts[b] + block]
-        cdf = np.cumsum(part) + (ends[b - 1] if b else 0)
-        i = min(int(np.searchsorted(cdf, x, side="right")), len(part) - 1)
-        while part[i] == 0:   # only where rounding pushed x to the block's end: its last entry of nonzero mass
-            i -= 1
-        tokens.append(int(starts[b]) + i)                               # a zero-probability token is never drawn
-    return tokens
+    """One token per row of logits (B, V) from softmax(logits / temperature), top-k and top-p off, with the row's
+    uniform u[b]: the CPU loop's plain sampled step (probs() + sample() take a dozen torch operations, each
+    costing tens of µs of cold code right after a pass, see Generator._verify)."""
+    return [draw_host(softmax_host(row, temperature, normalise=False), ub, block) for row, ub in zip(logits, u)]
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specrt.sampling import argmax, sample
+from specrt.sampling import argmax, draw_host, sample, softmax_host
 
 
 def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor):
@@ -36,6 +36,36 @@ def greedy_host(logits: np.ndarray, tokens: list[list[int]], width: list[int]) -
             best = int(logits[b, n].argmax())
         rows.append([n, best, w] + tt[:n + 1])
     return rows
+
+
+def sampled_host(logits: np.ndarray, tokens: list[list[int]], width: list[int], q: np.ndarray | None,
+                 temperature: float, u: list[list[float]]) -> list[list[int]]:
+    """sampled() on the host (top-k and top-p off), for the CPU loop (see greedy_host): target probabilities
+    softmax(logits / T) only at the positions reached, Q (B, γ, V) as a numpy array (None: deterministic drafts),
+    u[b] γ + 1 uniforms per row (acceptance at each position, then the draw). Returns the commit rows."""
+    rows = []
+    for b, (tt, w) in enumerate(zip(tokens, width)):
+        n = 0
+        while True:
+            p = softmax_host(logits[b, n], temperature)
+            if n == w:
+                break
+            x = tt[n + 1]
+            if not u[b][n] < p[x] / (q[b, n, x] if q is not None else 1.0):   # u < min(1, P/Q)
+                break
+            n += 1
+        weights = residual_host(p, None if q is None else q[b, n], tt[n + 1]) if n < w else p
+        rows.append([n, draw_host(weights, u[b][-1]), w] + tt[:n + 1])
+    return rows
+
+
+def residual_host(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """residual() on the host, unnormalised (draw_host takes weights): max(0, P − Q), with Q = δx for a
+    deterministic draft x; P itself where that is all zero."""
+    r = np.maximum(p - q, 0) if q is not None else p.copy()
+    if q is None:
+        r[x] = 0.0
+    return r if r.sum() > 0 else p
 
 
 def residual(P_n: torch.Tensor, Q_n: torch.Tensor) -> torch.Tensor:

@@ -159,10 +159,9 @@ def test_plain_sampling_is_the_target_distribution(pair, kw):
 
 def test_broken_plain_sampling_is_caught(pair, monkeypatch):
     """Power: the host sampler at a wrong temperature fails the same test."""
-    import specrt.generate
     gen, model = pair
-    real = specrt.generate.sample_host
-    monkeypatch.setattr(specrt.generate, "sample_host", lambda x, t, u: real(x, 1.3 * t, u))
+    real = verification.sampled_host
+    monkeypatch.setattr(verification, "sampled_host", lambda x, tt, w, q, t, u: real(x, tt, w, q, 1.3 * t, u))
     out = sample_first3(gen, [5, 1, 7], "autoregressive", None, seed=7, temperature=1.0)
     assert chi_square_p(out.token_ids, exact_joint(model, [5, 1, 7], SamplingParams(temperature=1.0))) < P_MIN
 
@@ -197,6 +196,7 @@ def test_broken_rule_is_caught(pair, monkeypatch, method):
     gen, model = pair
     prompt = [5, 1, 7] if method == "draft" else repeat_prompt(model)
     monkeypatch.setattr(verification, "residual", lambda P_n, Q_n: P_n)
+    monkeypatch.setattr(verification, "residual_host", lambda p, q, x: p)   # the CPU loop's
     out = sample_first3(gen, prompt, method, 2, seed=99, temperature=1.0)
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
     print(f"broken rule ({method}): chi-square p = {p:.2e}")
