@@ -129,7 +129,7 @@ class DraftModelDrafter:
         w = min(2 + run.rounds - self.next_round, max(run.host_lengths.tolist()))
         self.next_round = run.rounds + 1
         self.cache = self.pool.prefix(B)
-        if dev.type == "cpu" and self.tree is None and (run.params.greedy or run.params.plain):
+        if self.cache.host_data is not None and self.tree is None and (run.params.greedy or run.params.plain):
             return self._propose_on_host(run, gamma, w)
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
