@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specrt.errors import InputError
-from specrt.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids
+from specrt.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids, top_k_in_place
 from specrt.tree import Tree
 
 
@@ -294,7 +294,6 @@ class MedusaDrafter:
             nodes[:, children] = top[:, slot, rank]
         return Proposal(nodes[:, 1:], None, torch.ones(B, tree.size - 1, dtype=torch.bool, device=dev), tree)
 
-
     def _propose_on_host(self, run) -> Proposal:
         """The tree on the CPU: the roots from the host mirrors, each depth's top-k by argmaxes over the heads'
         own output buffer (taken candidates set to -inf in place), the bookkeeping in plain Python (see
@@ -311,19 +310,9 @@ class MedusaDrafter:
         if self.logits is not logits:
             self.logits, self.host_logits = logits, logits.numpy()
         for b in range(B):
-            top = [_top_k_in_place(self.host_logits[b, d], k) for d, k in enumerate(self.ranks)]
+            top = [top_k_in_place(self.host_logits[b, d], k)[0] for d, k in enumerate(self.ranks)]
             host_nodes[b] = [top[d - 1][r] for d, r in self.slots]
         return Proposal(nodes, None, valid, self.tree, host=(host_nodes, None))
-
-
-def _top_k_in_place(row: np.ndarray, k: int) -> list[int]:
-    """The k largest entries' indices of a 1-D array, largest first (the first of equal maxima first), each
-    set to -inf once taken: k vectorised argmaxes, no copy of the row."""
-    ids = []
-    for _ in range(k):
-        ids.append(int(row.argmax()))
-        row[ids[-1]] = -np.inf
-    return ids
 
 
 def _levels(tree: Tree, num_heads: int) -> list[tuple[torch.Tensor, ...]]:

@@ -82,7 +82,6 @@ class _Run:
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
-        self.arange = np.arange(max(capacity, max_len))
         self._inputs: dict[tuple[int, int], PassInputs] = {}
         self.resize(0)
 
@@ -420,8 +419,8 @@ class Generator:
         past_len = length − 1; a tree's accepted path is compacted into consecutive slots. Returns the round's one
         host read: per row the accepted count, the next token, the proposal's width and the accepted path's
         tokens (root first), see _account. The pass's inputs come from the host mirrors into buffers the engine
-        keeps bound. On the CPU the greedy rules run in plain Python over numpy views of the engine's buffers, and
-        only the accepted entries are written to the cache: a pass streams all the weights through the caches, so
+        keeps bound. On the CPU the greedy rules and the sampled chains' (top-k/top-p off) run in plain Python over
+        numpy views of the engine's buffers, and only the accepted entries are written to the cache: a pass streams all the weights through the caches, so
         right after it every distinct torch or numpy operation costs tens of µs of cold code and data (a torch
         round took ~0.8 ms of host time, this one ~0.25)."""
         B, g = proposal.tokens.shape
@@ -466,16 +465,15 @@ class Generator:
             cache.write(out.host_kv(), past, accepted)   # the accepted path's entries only, in order
             run.after_pass(out, path, [r[0] for r in rows])
             return rows
+        cache.write(out.new_kv)
         if tree is not None:
             dtree = tree.on(dev)
             n, nxt, path = verification.tree_greedy(out.logits, ids, dtree) if run.params.greedy else \
                 verification.tree_sampled(probs(out.logits, run.params), ids, dtree, run.generator)
-            cache.write(out.new_kv)
             path = path.clamp(min=0)                                                    # padding past the leaf
             cache.compact(path)
             tokens, width = ids.gather(1, path), torch.full_like(n, tree.max_depth)
         else:
-            cache.write(out.new_kv)
             if run.params.greedy:
                 n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
             else:

@@ -94,11 +94,20 @@ def top_k_scratch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = np.empty((rows.shape[0], k), np.int64)
     values = np.empty((rows.shape[0], k), rows.dtype)
     for r, row in enumerate(rows):
-        for j in range(k):
-            ids[r, j] = i = row.argmax()
-            values[r, j], row[i] = row[i], -np.inf
+        ids[r], values[r] = top_k_in_place(row, k)
     shape = (*x.shape[:-1], k)
     return torch.from_numpy(values.reshape(shape)), torch.from_numpy(ids.reshape(shape))
+
+
+def top_k_in_place(row: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+    """The k largest entries of a 1-D array, largest first (the first of equal maxima first): their indices and
+    values, each set to -inf in the row once taken (k vectorised argmaxes, no copy of the row)."""
+    ids, values = [], []
+    for _ in range(k):
+        ids.append(int(row.argmax()))
+        values.append(row[ids[-1]])
+        row[ids[-1]] = -np.inf
+    return ids, values
 
 
 def softmax_host(row: np.ndarray, temperature: float, normalise: bool = True) -> np.ndarray:
@@ -125,13 +134,6 @@ def draw_host(weights: np.ndarray, u: float, block: int = 128) -> int:
     while part[i] == 0:   # only where rounding pushed x to the block's end: its last entry of nonzero weight
         i -= 1
     return int(starts[b]) + i
-
-
-def sample_host(logits: np.ndarray, temperature: float, u: list[float], block: int = 128) -> list[int]:
-    """One token per row of logits (B, V) from softmax(logits / temperature), top-k and top-p off, with the row's
-    uniform u[b]: the CPU loop's plain sampled step (probs() + sample() take a dozen torch operations, each
-    costing tens of µs of cold code right after a pass, see Generator._verify)."""
-    return [draw_host(softmax_host(row, temperature, normalise=False), ub, block) for row, ub in zip(logits, u)]
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -10,9 +10,9 @@ from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
-from specrt.drafters import _top_k_in_place
 from specrt.generate import Generator
-from specrt.sampling import SamplingParams, argmax, probs, sample, sample_host, top_k_ids, top_k_scratch
+from specrt.sampling import (SamplingParams, argmax, draw_host, probs, sample, softmax_host, top_k_ids,
+                             top_k_in_place, top_k_scratch)
 from specrt.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
@@ -321,7 +321,8 @@ def test_host_rules_match_the_device_rules():
 def test_top_k_in_place_matches_torch():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     row = x.numpy().copy()
-    assert _top_k_in_place(row, 5) == torch.topk(x, 5).indices.tolist()
+    ids, values = top_k_in_place(row, 5)
+    assert ids == torch.topk(x, 5).indices.tolist() and values == torch.topk(x, 5).values.tolist()
     assert np.isneginf(row).sum() == 5
     x = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(2))
     values, ids = top_k_scratch(x.clone(), 4)
@@ -329,13 +330,14 @@ def test_top_k_in_place_matches_torch():
 
 
 def test_host_sampler_draws_the_given_law():
-    """sample_host walks the CDF by blocks (here ragged: 37 = 4 × 8 + 5): the law of softmax(x / T), and a token of
+    """draw_host walks the CDF by blocks (here ragged: 37 = 4 × 8 + 5): the law of softmax(x / T), and a token of
     probability 0 is never drawn."""
     rng = np.random.default_rng(1)
     logits = (rng.normal(size=(1, 37)) * 2).astype(np.float32)
     logits[0, 5] = -1e30
     p = np.exp((logits[0].astype(np.float64) - logits[0].max()) / 0.8)
-    draws = [sample_host(logits, 0.8, [u], block=8)[0] for u in rng.random(20000)]
+    weights = softmax_host(logits[0], 0.8, normalise=False)
+    draws = [draw_host(weights, u, block=8) for u in rng.random(20000)]
     counts = np.bincount(draws, minlength=37)
     assert counts[5] == 0
     keep = p > 0
