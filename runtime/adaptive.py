@@ -23,10 +23,15 @@ class Costs:
         return self.draft_step / self.verify[1]
 
     def pass_time(self, k: int) -> float:
-        """A target pass over k tokens per row: measured, or on the line through the first and last measured."""
+        """A target pass over k tokens per row: measured, else between the measured sizes around k, else on the
+        line through the first and last measured."""
         if k in self.verify:
             return self.verify[k]
-        lo, hi = min(self.verify), max(self.verify)
+        sizes = sorted(self.verify)
+        lo, hi = sizes[0], sizes[-1]
+        if lo < k < hi:
+            lo = max(s for s in sizes if s < k)
+            hi = min(s for s in sizes if s > k)
         return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (k - lo) / max(1, hi - lo)
 
     def round_time(self, gamma: int) -> float:

@@ -171,9 +171,9 @@ class OrtEngine:
         return self.forward(torch.tensor([ids], device=dev), torch.arange(S, device=dev)[None], cache.past_len,
                             chain_mask(1, S, dev), num_logits, cache)
 
-    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached
-        positions."""
+        positions; `extra`: further inputs (an EAGLE drafter's features)."""
         from specrt.adaptive import measure
         from specrt.drafters import chain_mask
         cache = self.new_cache(batch, context + k)
@@ -182,7 +182,7 @@ class OrtEngine:
         ids = torch.zeros(batch, k, dtype=torch.int64, device=dev)
         pos = (cache.past_len[:, None] + torch.arange(k, device=dev)).contiguous()
         mask = chain_mask(batch, k, dev)
-        return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache), reps)
+        return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache, **extra), reps)
 
 
 class OrtHeads:

@@ -14,18 +14,23 @@ of a batch share the tree's shape (rank paths chosen by the mean probability ove
 exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level is one pass over the frontiers
 so far (an expansion node must see its ancestors, which are not in the cache), with its output features fed
 to its children; the expansion passes write nothing to the cache.
+
+Adaptive rounds (the default) size the tree by the machine's measured costs, the shape being an envelope:
+growth stops where another level cannot pay for its drafter pass, and the round verifies the number of nodes
+with the most expected tokens per second (a node's cumulative probability is the drafter's estimate of the
+chance that the target accepts it; the estimates are scaled by how well they have predicted acceptance).
 """
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from specrt.drafters import Proposal, _arange, chain_mask
 from specrt.errors import InputError
-from specrt.sampling import top_k_scratch
+from specrt.sampling import top_k_in_place
 from specrt.tree import Tree
 
 
@@ -54,11 +59,20 @@ def tree_of(paths: tuple[tuple[int, ...], ...]) -> Tree:
 
 
 class EagleDrafter:
+    """`costs` (live rows -> Costs: the target's measured pass times, and one drafter pass as `draft_step`, see
+    Generator.eagle_costs) sizes each round's tree: the shape becomes an envelope, growth stops at the depth
+    where another level cannot pay for its pass, and the round verifies the number of nodes that gives the most
+    expected tokens per second (the drafter's own probabilities, scaled by how well they have predicted
+    acceptance so far). Without it (`adaptive=False`, and tune-tree) every round grows and verifies the full
+    shape, as EAGLE-2 does."""
     name = "eagle"
 
-    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree()):
-        self.engine, self.timer, self.shape = engine, timer, shape
+    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None):
+        self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
         self.tree = shape.envelope
+        self.kept = None                  # the drafter's output ids (finite logits), learnt from its first row
+        self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
+        self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
 
     pool = None   # the cache's rows for the whole batch, made at the first join
 
@@ -92,16 +106,23 @@ class EagleDrafter:
 
     def observe(self, run) -> None:
         """The target's features along the round's path go to their positions (past the accepted ones: scratch
-        that a later round overwrites before any catch-up reads it)."""
+        that a later round overwrites before any catch-up reads it); a tree round's accepted drafts update the
+        calibration of the scores."""
         self.batch = run.batch
         feats = run.path_hidden                                                     # (B, D+1, d)
         slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
         self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
+        if self._pending is not None:
+            before, live, predicted = self._pending
+            accepted, forecast = self.calibration
+            self.calibration = [DECAY * accepted + (run.accepted - before) / live, DECAY * forecast + predicted]
+            self._pending = None
 
     def propose(self, run, gamma: int) -> Proposal:
         self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
         logits, feature = self._catch_up(run)
         tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
+        tokens = torch.from_numpy(tokens).to(run.device)
         return Proposal(tokens, None, torch.ones_like(tokens, dtype=torch.bool), tree)
 
     def _catch_up(self, run):
@@ -121,58 +142,119 @@ class EagleDrafter:
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
-    def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, torch.Tensor]:
+    def _top(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Drafter logits (B, R, V) -> the top_k log-probabilities and their ids per row, (B, R, k) numpy arrays,
+        largest first. On the CPU in numpy over the drafter's kept ids only (its other logits are −inf, their
+        probability 0): a torch log_softmax over 49,152 entries costs ~0.15 ms a level right after a pass."""
+        k = self.shape.top_k
+        if logits.device.type != "cpu" or logits.dtype != torch.float32 or k > 8:
+            lp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+            return lp.cpu().numpy(), ids.cpu().numpy()
+        rows = logits.detach().numpy().reshape(-1, logits.shape[-1])
+        if self.kept is None:
+            finite = np.flatnonzero(np.isfinite(rows[0]))
+            self.kept = finite if len(finite) < rows.shape[1] else None
+        lp, ids = np.empty((len(rows), k), np.float32), np.empty((len(rows), k), np.int64)
+        for r, row in enumerate(rows):
+            x = row[self.kept] if self.kept is not None else row   # a copy, or scratch (the pass's own buffer)
+            top = x.max()
+            lse = top + np.log(np.exp(x - top).sum())
+            taken, values = top_k_in_place(x, k)
+            ids[r] = self.kept[taken] if self.kept is not None else taken
+            lp[r] = np.asarray(values) - lse
+        return lp.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
+
+    def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, np.ndarray]:
         """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N)."""
-        k, dev = self.shape.top_k, logits.device
-        live = torch.from_numpy(run.active).to(dev)
-        score, tok = top_k_scratch(torch.log_softmax(logits.float(), -1), k)         # (B, k) each
+        k, dev, B = self.shape.top_k, logits.device, run.batch
+        live = run.active if run.active.any() else np.ones(B, bool)
+        costs = self.costs(int(live.sum())) if self.costs is not None else None
+        score, tok = (a[:, 0] for a in self._top(logits[:, None]))                 # (B, k) each
         paths = [(r,) for r in range(k)]                                            # the frontier, shared
         feat = feature[:, None].expand(-1, k, -1)                                   # (B, k, d)
         cand_paths, cand_tok, cand_score = list(paths), [tok], [score]
-        fed_tok, fed_feat, fed_paths = [], [], []
-        for d in range(1, depth):
+        fed_tok, fed_feat, fed_paths, passes = [], [], [], 1                       # the catch-up was one
+        for _ in range(1, depth):
+            if costs is not None and not self._deeper(costs, np.concatenate(cand_score, 1)[live], score[live],
+                                                      passes):
+                break
+            passes += 1
             fed_tok.append(tok)
             fed_feat.append(feat)
             fed_paths += paths
-            out = self._expand(run, torch.cat(fed_tok, 1), torch.cat(fed_feat, 1), fed_paths, k)
-            child, ctok = top_k_scratch(torch.log_softmax(out.logits.float(), -1), k)   # (B, k, k) each
-            cscore = (score[..., None] + child).flatten(1)                         # (B, k*k)
+            out = self._expand(run, np.concatenate(fed_tok, 1), torch.cat(fed_feat, 1), tuple(fed_paths), k)
+            child, ctok = self._top(out.logits)                                     # (B, k, k) each
+            cscore = (score[..., None] + child).reshape(B, -1)                      # (B, k*k)
             children = [p + (r,) for p in paths for r in range(k)]
             cand_paths += children
-            cand_tok.append(ctok.flatten(1))
+            cand_tok.append(ctok.reshape(B, -1))
             cand_score.append(cscore)
-            best = _mean_logp(cscore, live).topk(k).indices                          # (k,) the next frontier
-            paths = [children[i] for i in best.tolist()]
-            tok, score = ctok.flatten(1)[:, best], cscore[:, best]
-            feat = out.hidden[:, -k:][:, best // k].clone()                          # (B, k, d) the parents'
-        scores = torch.cat(cand_score, 1)                                           # (B, C)
-        depth_of = torch.tensor([len(p) for p in cand_paths], device=dev)
-        # shallower first among equals, so that a kept node's parent is kept too
-        keep = (_mean_logp(scores, live).double().clamp(min=-1e6) - 1e-6 * depth_of).topk(
-            min(self.shape.nodes, len(cand_paths)))
-        chosen = {cand_paths[i]: i for i in keep.indices.tolist()}
+            best = np.argsort(-_mean_prob(cscore[live]), kind="stable")[:k]        # the next frontier
+            paths = [children[i] for i in best]
+            tok, score = ctok.reshape(B, -1)[:, best], cscore[:, best]
+            feat = out.hidden[:, -k:][:, torch.from_numpy(best // k).to(dev)].clone()   # (B, k, d) the parents'
+        m = _mean_prob(np.concatenate(cand_score, 1)[live])                         # (C,)
+        # most probable first, shallower first among equals (a node's parent is never less probable)
+        order = np.lexsort((np.array([len(p) for p in cand_paths]), -m))[:self.shape.nodes]
+        n = len(order) if costs is None else _best_size(costs, self.scale * m[order], costs.draft_step * passes)
+        chosen = {cand_paths[i]: i for i in order[:n].tolist()}
         tree = tree_of(tuple(sorted(chosen, key=lambda p: (len(p), p))))
-        cols = torch.tensor([chosen[p] for p in tree.paths], device=dev)
-        return tree, torch.cat(cand_tok, 1)[:, cols]
+        self._pending = (run.accepted, int(live.sum()), float(m[order[:n]].sum()))
+        return tree, np.concatenate(cand_tok, 1)[:, [chosen[p] for p in tree.paths]]
 
-    def _expand(self, run, tokens, feats, paths, k: int):
+    @property
+    def scale(self) -> float:
+        """How many drafts were accepted per draft the scores predicted (decayed over the recent rounds)."""
+        return self.calibration[0] / self.calibration[1]
+
+    def _deeper(self, costs, scores: np.ndarray, frontier: np.ndarray, passes: int) -> bool:
+        """Whether another level can pay for itself: its nodes together add at most the frontier's probability
+        of tokens, for one more drafter pass and k more nodes to verify; grow while that bound beats the best
+        tree of the candidates so far (`passes`: the drafter passes of the round so far)."""
+        spent, level = costs.draft_step * passes, costs.draft_step
+        p = np.minimum(self.scale * np.sort(_mean_prob(scores))[::-1][:self.shape.nodes], 1.0)
+        n = _best_size(costs, p, spent)
+        gain = 1 + p[:n].sum()
+        bound = gain + np.minimum(self.scale * _mean_prob(frontier), 1.0).sum()
+        return bound / (spent + level + costs.pass_time(n + self.shape.top_k + 1)) > \
+            gain / (spent + costs.pass_time(n + 1))
+
+    def _expand(self, run, tokens: np.ndarray, feats, paths: tuple, k: int):
         """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k."""
         B, S = tokens.shape
-        index = {p: i for i, p in enumerate(paths)}
-        mask = torch.zeros(S, S, dtype=torch.bool, device="cpu")
-        for i, p in enumerate(paths):
-            mask[i, [index[p[:j]] for j in range(1, len(p) + 1)]] = True
-        mask = mask.to(tokens.device)
-        depth = torch.tensor([len(p) - 1 for p in paths], device=tokens.device)
+        mask, depth = _expansion(paths, B, feats.device)
         pos = (self.cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)     # (B, S)
-        return self.timer(self.engine, self.cache, tokens, pos, mask.expand(B, -1, -1).contiguous(), k,
+        return self.timer(self.engine, self.cache, torch.from_numpy(tokens).to(feats.device), pos, mask, k,
                           features=feats)
 
 
-def _mean_logp(score: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """(B, C) cumulative log-probabilities -> (C,) the log of their mean probability over the live rows."""
-    score = score[live] if bool(live.any()) else score
-    return torch.logsumexp(score, 0) - math.log(score.shape[0])
+DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expansion(paths: tuple, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expansion pass's mask (B, S, S) (each fed node sees its ancestors) and depth offsets (S,); frontiers
+    recur, so each is made once."""
+    index = {p: i for i, p in enumerate(paths)}
+    mask = np.zeros((len(paths), len(paths)), bool)
+    for i, p in enumerate(paths):
+        mask[i, [index[p[:j]] for j in range(1, len(p) + 1)]] = True
+    depth = torch.tensor([len(p) - 1 for p in paths], device=device)
+    return torch.from_numpy(np.broadcast_to(mask, (batch, *mask.shape)).copy()).to(device), depth
+
+
+def _mean_prob(score: np.ndarray) -> np.ndarray:
+    """(B, C) cumulative log-probabilities of the live rows -> (C,) their mean probability."""
+    return np.exp(score.astype(np.float64)).mean(0)
+
+
+def _best_size(costs, probs: np.ndarray, spent: float) -> int:
+    """The number of nodes (the most probable first, `probs` their scaled probabilities) with the most expected
+    tokens per second: (1 + their probabilities) / (seconds spent drafting + the verify pass over them)."""
+    gain = 1 + np.cumsum(np.minimum(probs, 1.0))
+    # measured passes jitter: a larger pass never counts as cheaper than a smaller one
+    cost = spent + np.maximum.accumulate([costs.pass_time(n + 1) for n in range(1, len(probs) + 1)])
+    return int(np.argmax(gain / cost)) + 1
 
 
 # ---- per machine: the tree shape -------------------------------------------------------------------------
@@ -181,25 +263,17 @@ SHAPES = tuple(DynamicTree(k, d, n) for k, d, n in ((2, 3, 4), (2, 4, 6), (3, 4,
 
 
 def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log=print) -> DynamicTree:
-    """The shape with the most tokens per second by the cost model: tokens per round at T = 0 on `prompts`
+    """The shape (the envelope of adaptive rounds) with the most tokens per second by the cost model, its trees
+    grown in full every round: tokens per round at T = 0 on `prompts`
     (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
     through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
     loop's own time per round."""
-    import numpy as np
-
-    from specrt.adaptive import measure
     from specrt.calibrate import verify_costs
     measured = verify_costs(gen, sorted({1, 2, 8} | {s.nodes + 1 for s in shapes}))
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
     draft = gen.eagle
-    context = max(0, min(64, draft.spec["max_seq_len"] - 8))
-    cache = draft.new_cache(1, context + 8)
-    cache.truncate(context)
-    dev = draft.device
-    ids = torch.zeros(1, 8, dtype=torch.int64, device=dev)
-    feats = torch.zeros(1, 8, draft.spec["hidden_size"], device=dev)
-    pos, mask = torch.arange(context, context + 8, device=dev)[None], chain_mask(1, 8, dev)
-    draft_pass = measure(lambda: draft.forward(ids, pos, cache.past_len, mask, 4, cache, features=feats), reps=5)
+    draft_pass = draft.time_pass(max(0, min(64, draft.spec["max_seq_len"] - 8)), 8, reps=5,
+                                 features=torch.zeros(1, 8, draft.spec["hidden_size"], device=draft.device))
     saved, best = draft.spec.get("dynamic_tree"), (0.0, None)
     try:
         for shape in shapes:

@@ -173,7 +173,7 @@ class Generator:
         self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
         self.eagle = eagle
         self.engine_time = 0.0
-        self._batch_costs: dict[int, Costs] = {}
+        self._batch_costs: dict = {}
         self._last_pool = None
 
     @classmethod
@@ -372,7 +372,7 @@ class Generator:
         drafter's top choices (one node per depth) lays out exactly as the target's own steps."""
         return self.target.spec.get("engine", {}).get("activations") == "int8"
 
-    def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min):
+    def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive=False):
         if method == "autoregressive":
             return None
         if method == "ngram":
@@ -385,7 +385,8 @@ class Generator:
             shape = DynamicTree(**self.eagle.spec.get("dynamic_tree", {}))
             if self.chains_only:
                 shape = DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth)
-            return EagleDrafter(self.eagle, self._timed, shape)
+            sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
+            return EagleDrafter(self.eagle, self._timed, shape, sizing)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)
@@ -522,11 +523,12 @@ class Generator:
         return accepted, proposed
 
     # ---- costs --------------------------------------------------------------------------------------------
-    def costs(self, batch: int = 1) -> Costs:
+    def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1) -> Costs:
         """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch
-        size, ~1 s for one row; for several rows two passes, with a line through them)."""
+        size, ~1 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
+        adds passes over a few more sizes up to it."""
+        saved = self.engine_time
         if batch not in self._batch_costs:
-            saved = self.engine_time
             context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
             draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
             if batch == 1:
@@ -535,8 +537,26 @@ class Generator:
                 one, most = (self.target.time_pass(context, k, batch=batch) for k in (1, MAX_GAMMA + 1))
                 verify = {k: one + (most - one) * (k - 1) / MAX_GAMMA for k in range(1, MAX_GAMMA + 2)}
             self._batch_costs[batch] = Costs(draft, verify)
+        costs = self._batch_costs[batch]
+        upto = min(upto, self.target.spec["max_seq_len"])
+        for k in sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto}):
+            costs.verify[k] = self.target.time_pass(min(64, self.target.spec["max_seq_len"] - k), k, batch=batch)
+        self.engine_time = saved
+        return costs
+
+    def eagle_costs(self, batch: int, shape: DynamicTree) -> Costs:
+        """The target's passes up to the tree's size (`verify`) and one EAGLE drafter pass over two frontiers
+        (`draft_step`, the cost of a tree level), timed once per batch size."""
+        key = ("eagle", batch, shape)
+        if key not in self._batch_costs:
+            verify = self.costs(batch, upto=shape.nodes + 1).verify
+            saved = self.engine_time
+            k, spec = 2 * shape.top_k, self.eagle.spec
+            level = self.eagle.time_pass(min(64, spec["max_seq_len"] - k), k, batch=batch,
+                                         features=torch.zeros(batch, k, spec["hidden_size"], device=self.eagle.device))
             self.engine_time = saved
-        return self._batch_costs[batch]
+            self._batch_costs[key] = Costs(level, verify)
+        return self._batch_costs[key]
 
 
 class Batch:
@@ -557,7 +577,7 @@ class Batch:
         if capacity < 1:
             raise InputError(f"batch capacity {capacity}: must be at least 1")
         self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
-        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min)
+        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive)
         self.tree = getattr(self.drafter, "tree", None)
         max_len = gen.max_len
         margin = self.tree.size if self.tree is not None else (gamma or MAX_GAMMA) + 1

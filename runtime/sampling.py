@@ -84,21 +84,6 @@ def top_k_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def top_k_scratch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k, dim=-1) (values, indices, largest first) of finite x that the caller no longer needs: on
-    the CPU k numpy argmaxes per row, each taken entry set to -inf in x itself (no copy of the rows: ~4× faster
-    than top_k_ids on 49,152-wide rows right after a pass)."""
-    if x.device.type != "cpu" or k > 8:
-        return torch.topk(x, k, dim=-1)
-    rows = x.detach().numpy().reshape(-1, x.shape[-1])
-    ids = np.empty((rows.shape[0], k), np.int64)
-    values = np.empty((rows.shape[0], k), rows.dtype)
-    for r, row in enumerate(rows):
-        ids[r], values[r] = top_k_in_place(row, k)
-    shape = (*x.shape[:-1], k)
-    return torch.from_numpy(values.reshape(shape)), torch.from_numpy(ids.reshape(shape))
-
-
 def top_k_in_place(row: np.ndarray, k: int) -> tuple[list[int], list[float]]:
     """The k largest entries of a 1-D array, largest first (the first of equal maxima first): their indices and
     values, each set to -inf in the row once taken (k vectorised argmaxes, no copy of the row)."""

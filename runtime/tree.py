@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specrt.errors import InputError
@@ -55,27 +56,28 @@ class Tree:
             index[p] = i
             parent.append(index[p[:-1]])
         n = len(parent)
-        depth = torch.tensor([0] + [len(p) for p in paths], device="cpu")
-        rank = torch.tensor([0] + [p[-1] for p in paths], device="cpu")
-        mask = torch.zeros(n, n, dtype=torch.bool, device="cpu")
-        for i in range(n):
-            mask[i, i] = True
+        depth = np.array([0] + [len(p) for p in paths], np.int64)
+        rank = np.array([0] + [p[-1] for p in paths], np.int64)
+        mask = np.zeros((n, n), bool)
+        for i in range(n):   # a node's row: its parent's (nodes come after their parents) and itself
             if parent[i] >= 0:
-                mask[i] |= mask[parent[i]]
-        children = tuple(tuple(sorted((j for j in range(n) if parent[j] == i), key=lambda j: int(rank[j])))
-                         for i in range(n))
+                mask[i] = mask[parent[i]]
+            mask[i, i] = True
+        children = [[] for _ in range(n)]
+        for j in range(1, n):
+            children[parent[j]].append(j)
+        children = tuple(tuple(sorted(ch, key=lambda j: rank[j])) for ch in children)
         leaf_ids = [i for i in range(n) if not children[i]]
-        leaves = torch.full((len(leaf_ids), int(depth.max()) + 1), -1, dtype=torch.int64, device="cpu")
+        leaves = np.full((len(leaf_ids), int(depth.max()) + 1), -1, np.int64)
         for row, leaf in enumerate(leaf_ids):
-            chain = []
-            while leaf >= 0:
-                chain.append(leaf)
-                leaf = parent[leaf]
-            leaves[row, :len(chain)] = torch.tensor(chain[::-1], device="cpu")
-        parent_ids = torch.tensor(parent, device="cpu").clamp(min=0)
-        child_table = torch.full((n, max(map(len, children))), -1, dtype=torch.int64, device="cpu")
+            chain = np.flatnonzero(mask[leaf])   # the leaf's ancestors and itself, root first
+            leaves[row, :len(chain)] = chain
+        parent_ids = np.maximum(np.array(parent, np.int64), 0)
+        child_table = np.full((n, max(map(len, children))), -1, np.int64)
         for i, ch in enumerate(children):
-            child_table[i, :len(ch)] = torch.tensor(ch, dtype=torch.int64, device="cpu")
+            child_table[i, :len(ch)] = ch
+        depth, rank, mask, leaves, parent_ids, child_table = map(
+            torch.from_numpy, (depth, rank, mask, leaves, parent_ids, child_table))
         return cls(tuple(paths), tuple(parent), depth, rank, mask, children, leaves, parent_ids, child_table)
 
     def on(self, device) -> "Tree":

@@ -1,19 +1,20 @@
 """The EAGLE drafter: its graph, its cache invariant, and the target's promise with its dynamic trees."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_model
 from greedy_check import assert_same_or_tie
-from specrt import verification
+from specrt import eagle, verification
 from specrt.adaptive import TreePolicy
 from specrt.drafters import chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError
 from specrt.export.eagle import load_eagle, new_eagle, save_eagle
 from specrt.export.model import from_hf
-from specrt.generate import Generator
+from specrt.generate import Batch, Generator
 from specrt.sampling import SamplingParams
 from test_speculative import N, P_MIN, V, chi_square_p, exact_joint, sample_first3
 
@@ -197,3 +198,71 @@ def test_tune_records_a_shape(eagle_pair):
     again = Generator.from_engines(gen.directory)
     assert again.eagle.spec["dynamic_tree"] == shape.__dict__
     assert again.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, method="eagle").stats["tree_size"] == shape.nodes
+
+
+def test_host_top_k_matches_torch():
+    """The drafter's top-k log-probabilities in numpy over its kept ids (the rest −inf) equal torch's."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 500, generator=g) * 3
+    kept = torch.randperm(500, generator=g)[:120].sort().values
+    logits[..., [i for i in range(500) if i not in set(kept.tolist())]] = -torch.inf
+    want_lp, want_ids = torch.log_softmax(logits, -1).topk(4, -1)
+    drafter = EagleDrafter(None, None, DynamicTree(4, 3, 8))
+    lp, ids = drafter._top(logits.clone())
+    assert drafter.kept.tolist() == kept.tolist()
+    assert ids.tolist() == want_ids.tolist() and np.allclose(lp, want_lp.numpy(), atol=1e-5)
+    full = torch.randn(1, 1, 300, generator=g)
+    lp, ids = EagleDrafter(None, None, DynamicTree(3, 3, 8))._top(full.clone())
+    want_lp, want_ids = torch.log_softmax(full, -1).topk(3, -1)
+    assert ids.tolist() == want_ids.tolist() and np.allclose(lp, want_lp.numpy(), atol=1e-5)
+
+
+def test_tree_size_follows_the_costs():
+    """A round verifies the node count with the most expected tokens per second: every node where passes cost
+    the same, the single best where each node costs a plain step; another level grows only while its best case
+    pays for its drafter pass."""
+    from specrt.adaptive import Costs
+    from specrt.eagle import _best_size
+    flat, steep = Costs(0.0, {1: 1.0, 17: 1.0}), Costs(0.0, {1: 1.0, 17: 17.0})
+    probs = np.array([0.9, 0.5, 0.3, 0.1, 0.05])
+    assert _best_size(flat, probs, 0.1) == 5 and _best_size(steep, probs, 0.1) == 1
+    middle = Costs(0.0, {1: 1.0, 17: 2.6})   # 0.1 a node: nodes more probable than about a tenth pay
+    assert _best_size(middle, probs, 0.0) == 3
+    drafter = EagleDrafter(None, None, DynamicTree(2, 4, 8))
+    scores = np.log([[0.8, 0.1]])
+    cheap, dear = Costs(0.01, flat.verify), Costs(0.1, flat.verify)   # a drafter pass: 1 % or 10 % of a step
+    assert drafter._deeper(cheap, scores, np.log([[0.7, 0.2]]), passes=1)
+    assert not drafter._deeper(dear, scores, np.log([[0.01, 0.005]]), passes=1)
+    assert drafter._deeper(dear, scores, np.log([[0.3, 0.2]]), passes=3)
+
+
+@pytest.mark.parametrize("costs", ["flat", "steep"])
+def test_sized_trees_keep_the_target_output(eagle_pair, monkeypatch, costs):
+    """Trees sized round by round (adaptive) give the target's greedy tokens, and at T = 1 its distribution;
+    the sizes really vary (and with free nodes the depths: the random drafter's guesses are rarely worth a
+    second level)."""
+    from specrt.adaptive import Costs
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=3, depth=4, nodes=10)
+    verify = {1: 1.0, 11: 1.0 if costs == "flat" else 1.5}
+    monkeypatch.setattr(Generator, "eagle_costs", lambda self, batch, shape: Costs(0.02, verify))
+    monkeypatch.setattr(TreePolicy, "choose", lambda self: True)    # trees every round, whatever they gain
+    monkeypatch.setattr(Batch, "_tree_pays", lambda self, n: True)  # at any batch size
+    shapes = []
+    tree_of = eagle.tree_of
+    monkeypatch.setattr(eagle, "tree_of", lambda paths: (shapes.append(paths), tree_of(paths))[1])
+    for seed in range(3):
+        prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="eagle")
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+    sizes, depths = {len(p) for p in shapes}, {max(map(len, p)) for p in shapes}
+    print(costs, "sizes", sorted(sizes), "depths", sorted(depths))
+    assert len(sizes) > 1 and (len(depths) > 1 or costs == "steep")
+    prompt, shapes[:] = [5, 1, 7], []
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="eagle", seed=7,
+                       temperature=1.0)
+    print(costs, "T = 1 trees", [(len(p), max(map(len, p))) for p in shapes])
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"eagle sized trees ({costs}): chi-square p = {p:.4f}")
+    assert p > P_MIN

@@ -12,7 +12,7 @@ from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy
 from specrt.generate import Generator
 from specrt.sampling import (SamplingParams, argmax, draw_host, probs, sample, softmax_host, top_k_ids,
-                             top_k_in_place, top_k_scratch)
+                             top_k_in_place)
 from specrt.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
@@ -324,9 +324,6 @@ def test_top_k_in_place_matches_torch():
     ids, values = top_k_in_place(row, 5)
     assert ids == torch.topk(x, 5).indices.tolist() and values == torch.topk(x, 5).values.tolist()
     assert np.isneginf(row).sum() == 5
-    x = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(2))
-    values, ids = top_k_scratch(x.clone(), 4)
-    assert torch.equal(values, torch.topk(x, 4).values) and torch.equal(ids, torch.topk(x, 4).indices)
 
 
 def test_host_sampler_draws_the_given_law():
