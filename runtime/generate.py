@@ -585,6 +585,8 @@ class Batch:
         self.policy = GammaPolicy(gen.costs(), MAX_GAMMA) if self.drafter and adaptive and gamma is None and \
             self.tree is None else None
         self.trees = TreePolicy() if self.tree is not None and adaptive else None
+        if getattr(self.drafter, "costs", None) is not None:
+            self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
                         gen._pool(capacity, cache_len))
         gen.engine_time = 0.0
