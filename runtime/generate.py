@@ -421,9 +421,9 @@ class Generator:
         host read: per row the accepted count, the next token, the proposal's width and the accepted path's
         tokens (root first), see _account. The pass's inputs come from the host mirrors into buffers the engine
         keeps bound. On the CPU the greedy rules and the sampled chains' (top-k/top-p off) run in plain Python over
-        numpy views of the engine's buffers, and only the accepted entries are written to the cache: a pass streams all the weights through the caches, so
-        right after it every distinct torch or numpy operation costs tens of µs of cold code and data (a torch
-        round took ~0.8 ms of host time, this one ~0.25)."""
+        numpy views of the engine's buffers, and only the accepted entries are written to the cache: a pass
+        streams all the weights through the caches, so right after it every distinct torch or numpy operation
+        costs tens of µs of cold code and data (a torch round took ~0.8 ms of host time, this one ~0.25)."""
         B, g = proposal.tokens.shape
         cache, dev, tree = run.cache, run.device, proposal.tree
         on_host = dev.type == "cpu"
