@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """E[N] = (1 − α^(γ+1)) / (1 − α): tokens per round with i.i.d. acceptance α."""
@@ -17,6 +19,7 @@ class Costs:
     """Measured seconds: one draft step, and one target pass over k tokens (k = 1..)."""
     draft_step: float
     verify: dict[int, float]
+    _curves: dict = field(default_factory=dict, repr=False, compare=False)   # see pass_curve
 
     @property
     def c(self) -> float:
@@ -33,6 +36,15 @@ class Costs:
             lo = max(s for s in sizes if s < k)
             hi = min(s for s in sizes if s > k)
         return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (k - lo) / max(1, hi - lo)
+
+    def pass_curve(self, n: int) -> np.ndarray:
+        """Passes over 2 .. n + 1 tokens (trees of 1 .. n nodes and their root), a larger one never counted as
+        cheaper than a smaller (measured passes jitter); made once per n while the measured sizes stay."""
+        key = (n, len(self.verify))
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = self._curves[key] = np.maximum.accumulate([self.pass_time(k + 1) for k in range(1, n + 1)])
+        return curve
 
     def round_time(self, gamma: int) -> float:
         return gamma * self.draft_step + self.verify[gamma + 1]

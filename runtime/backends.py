@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,6 +69,19 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+MAX_SHAPES = 64   # pass shapes an engine keeps bound
+
+
+@dataclass
+class _Shape:
+    """One pass shape's IOBinding: outputs bound once to views of the engine's buffers, inputs as last bound."""
+    io: object
+    outputs: StepOutput
+    inputs: dict = field(default_factory=dict)   # name -> (tensor, (address, shape, device)) bound now
+    cache: Callable = lambda: None               # the cache whose buffers are bound (a weak reference: a
+                                                 # binding does not keep a finished request's cache alive)
+
+
 class OrtEngine:
     """One ONNX Runtime session over a graph of the engine contract, with IOBinding to preallocated buffers."""
 
@@ -82,13 +97,11 @@ class OrtEngine:
         self.dtype = engine_dtype(spec)
         options = session_options(ort, spec, threads)
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
-        self.binding = self.session.io_binding()
+        self.binding = self.session.io_binding()   # the last pass's (see _Shape)
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
-        self._outputs: StepOutput | None = None
-        self._outputs_for: tuple[int, int, int] | None = None   # (B, S, num_logits) the outputs are bound for
-        self._inputs: dict[str, tuple] = {}     # name -> (tensor, (address, shape, device)) bound now
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}   # (B, S, num_logits) -> its binding
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
@@ -100,9 +113,7 @@ class OrtEngine:
         return cache
 
     def use_cache(self, cache: KVCache) -> None:
-        """Bind a cache's buffers as the graph's cache inputs (once; they stay bound until another is used)."""
-        for i, buf in enumerate(cache.layer_buffers()):
-            self._bind("input", f"{'kv'[i % 2]}_cache_{i // 2}", buf)
+        """Make `cache` the one passes read by default (each shape's binding binds its buffers at its next pass)."""
         self._cache = cache
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,56 +123,64 @@ class OrtEngine:
             buf = self._buffers[name] = torch.empty(numel, device=self.device, dtype=dtype)
         return buf
 
-    def _bind(self, kind: str, name: str, t: torch.Tensor) -> None:
-        bind_tensor(self.binding, kind, name, t, self.device)
-
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_len: torch.Tensor,
                 tree_mask: torch.Tensor, num_logits: int, cache: KVCache | None = None,
                 **extra: torch.Tensor) -> StepOutput:
         """Run one pass over S new tokens per row against `cache` (default: the last one created or used).
         The cache is read, not written: see KVCache.write. `extra`: further graph inputs by name (an EAGLE
         drafter's `features`)."""
-        if cache is not None and cache is not self._cache:
-            self.use_cache(cache)
-        assert self._cache is not None, "call new_cache() first"
+        cache = self._cache = cache if cache is not None else self._cache
+        assert cache is not None, "call new_cache() first"
         B, S = input_ids.shape
+        shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
+        if shape.cache() is not cache:   # the cache's buffers, once per shape and cache
+            for i, buf in enumerate(cache.layer_buffers()):
+                bind_tensor(shape.io, "input", f"{'kv'[i % 2]}_cache_{i // 2}", buf, self.device)
+            shape.cache = weakref.ref(cache)
         num = self._num.get(num_logits)
         if num is None:
             num = self._num[num_logits] = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
                  "tree_mask": tree_mask, "num_logits": num, **extra}
         for name, t in feeds.items():
-            bound = self._inputs.get(name)
+            bound = shape.inputs.get(name)
             if bound is not None and bound[0] is t:   # the loop's persistent inputs: the same tensor as bound
                 continue
             t = t.contiguous()
             key = (t.data_ptr(), t.shape, t.device)
             if bound is None or bound[1] != key:
-                self._bind("input", name, t)
-            self._inputs[name] = (t, key)   # keeps the bound tensor alive while it is bound
-        if self._outputs_for != (B, S, num_logits):
-            self._bind_outputs(B, S, num_logits)
+                bind_tensor(shape.io, "input", name, t, self.device)
+            shape.inputs[name] = (t, key)   # keeps the bound tensor alive while it is bound
         sync_torch(self.device)
-        self.session.run_with_iobinding(self.binding)
-        return self._outputs
+        self.binding = shape.io
+        self.session.run_with_iobinding(shape.io)
+        return shape.outputs
 
-    def _bind_outputs(self, B: int, S: int, num_logits: int) -> None:
-        """Bind views of the output buffers for this shape. They stay bound while the shape repeats (every round
-        of a tree, most of a chain's), which saves the ~1 ms that rebinding the 2L cache outputs costs a pass."""
+    def _bind_shape(self, B: int, S: int, num_logits: int) -> "_Shape":
+        """A binding of its own for a pass shape, its outputs bound to views of the output buffers: passes of
+        the shapes seen before rebind nothing (rebinding the 2L cache outputs costs ~1 ms, and trees, adaptive
+        chains and the drafters' catch-ups change shape from round to round). All shapes share the buffers; the
+        bindings are dropped when a buffer grows, and the oldest when there are MAX_SHAPES."""
         s = self.spec
-        logits = self._buffer("logits", B * num_logits * s["vocab_size"]).narrow(0, 0, B * num_logits * s["vocab_size"])
-        logits = logits.view(B, num_logits, s["vocab_size"])
-        hidden = self._buffer("hidden", B * S * s["hidden_size"]).narrow(0, 0, B * S * s["hidden_size"]).view(B, S, -1)
-        per_layer = B * s["kv_heads"] * S * s["head_dim"]
-        new_kv = self._buffer("new_kv", 2 * self.layers * per_layer, self.dtype).narrow(0, 0, 2 * self.layers * per_layer)
+        sizes = {"logits": B * num_logits * s["vocab_size"], "hidden": B * S * s["hidden_size"],
+                 "new_kv": 2 * self.layers * B * s["kv_heads"] * S * s["head_dim"]}
+        if any(name not in self._buffers or self._buffers[name].numel() < n for name, n in sizes.items()):
+            self._shapes.clear()   # their views would keep the old buffers alive
+        if len(self._shapes) >= MAX_SHAPES:
+            del self._shapes[next(iter(self._shapes))]
+        logits = self._buffer("logits", sizes["logits"]).narrow(0, 0, sizes["logits"]).view(B, num_logits, -1)
+        hidden = self._buffer("hidden", sizes["hidden"]).narrow(0, 0, sizes["hidden"]).view(B, S, -1)
+        new_kv = self._buffer("new_kv", sizes["new_kv"], self.dtype).narrow(0, 0, sizes["new_kv"])
         new_kv = new_kv.view(2 * self.layers, B, s["kv_heads"], S, s["head_dim"])
-        self._bind("output", "logits", logits)
-        self._bind("output", "hidden", hidden)
+        io = self.session.io_binding()
+        bind_tensor(io, "output", "logits", logits, self.device)
+        bind_tensor(io, "output", "hidden", hidden, self.device)
         for i in range(2 * self.layers):
-            self._bind("output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i])
+            bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i], self.device)
         host = (logits.numpy(), new_kv.numpy(), hidden.numpy()) if self.device.type == "cpu" and \
             self.dtype != torch.bfloat16 else None
-        self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv, host), (B, S, num_logits)
+        shape = self._shapes[(B, S, num_logits)] = _Shape(io, StepOutput(logits, hidden, new_kv, host))
+        return shape
 
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
         """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from specrt.drafters import Proposal, _arange, chain_mask
+from specrt.drafters import PassInputs, Proposal, _arange, chain_mask
 from specrt.errors import InputError
 from specrt.sampling import top_k_in_place
 from specrt.tree import Tree
@@ -73,6 +73,7 @@ class EagleDrafter:
         self.kept = None                  # the drafter's output ids (finite logits), learnt from its first row
         self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
+        self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
 
     pool = None   # the cache's rows for the whole batch, made at the first join
 
@@ -84,6 +85,9 @@ class EagleDrafter:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
                                         device=run.device)
+            # the CPU's host path (see Generator._verify): the round's bookkeeping in numpy over these views
+            self._host_history = self._history.numpy() if self.pool.host_data is not None and \
+                hidden.dtype == torch.float32 else None
         m, dev = hidden.shape[1], run.device
         self._history[row:row + copies, :m] = hidden
         one = self.pool.row(row)
@@ -109,9 +113,18 @@ class EagleDrafter:
         that a later round overwrites before any catch-up reads it); a tree round's accepted drafts update the
         calibration of the scores."""
         self.batch = run.batch
-        feats = run.path_hidden                                                     # (B, D+1, d)
-        slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
-        self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
+        out, path, n = run.last_pass
+        if self._host_history is not None and isinstance(n, list) and out.host is not None:
+            feats = out.host_hidden()                                               # (B, S, d)
+            width = feats.shape[1] if path is None else len(path[0])
+            for b, start in enumerate(run.cache.host_past.tolist()):
+                fit = max(0, min(width, run.cache_len - start))
+                self._host_history[b, start:start + fit] = feats[b, :fit] if path is None else \
+                    feats[b].take(path[b][:fit], 0)
+        else:
+            feats = run.path_hidden                                                 # (B, D+1, d)
+            slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
+            self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self._pending is not None:
             before, live, predicted = self._pending
             accepted, forecast = self.calibration
@@ -120,10 +133,12 @@ class EagleDrafter:
 
     def propose(self, run, gamma: int) -> Proposal:
         self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
-        logits, feature = self._catch_up(run)
+        host = self._host_history is not None and run.params.greedy
+        logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
         tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
-        tokens = torch.from_numpy(tokens).to(run.device)
-        return Proposal(tokens, None, torch.ones_like(tokens, dtype=torch.bool), tree)
+        nodes = torch.from_numpy(tokens).to(run.device)
+        return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree,
+                        host=(tokens, None) if host else None)
 
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
@@ -142,15 +157,50 @@ class EagleDrafter:
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
-    def _top(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _feed(self, B: int, S: int) -> tuple:
+        """The host path's inputs for a pass of shape (B, S), made once and kept bound: ids and positions
+        (PassInputs) and the features (a tensor and its numpy view)."""
+        got = self._feeds.get((B, S))
+        if got is None:
+            feats = torch.zeros(B, S, self._history.shape[-1], device=self._history.device)
+            got = self._feeds[(B, S)] = (PassInputs(B, S, feats.device), feats, feats.numpy())
+        return got
+
+    def _catch_up_host(self, run) -> tuple[np.ndarray, np.ndarray]:
+        """_catch_up on the CPU in numpy over the engine's buffers (see Generator._verify) -> the first level's
+        logits (B, V) and the predicted feature there (B, d), numpy arrays."""
+        B, cache, top = run.batch, self.cache, run.cache_len - 1
+        past = cache.host_past.tolist()
+        count = [max(0, n - 1 - p) for n, p in zip(run.host_lengths.tolist(), past)]
+        S = max(1, max(count))
+        inputs, feats, host_feats = self._feed(B, S)
+        for b, p in enumerate(past):
+            slots = [min(p + j, top) for j in range(S)]
+            inputs.host[1, b] = slots
+            inputs.host[0, b] = run.host_tokens[b].take([min(t + 1, run.max_len - 1) for t in slots])
+            self._host_history[b].take(slots, 0, out=host_feats[b])
+        last = [max(c, 1) - 1 for c in count]                                       # each row's last slot
+        num = S - min(last)
+        out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num, features=feats)
+        cache.write(out.host_kv(), past)
+        cache.truncate([p + c for p, c in zip(past, count)])
+        logits, hidden = out.host_logits(), out.host_hidden()
+        return (np.stack([logits[b, j - (S - num)] for b, j in enumerate(last)]),
+                np.stack([hidden[b, j] for b, j in enumerate(last)]))
+
+    def _top(self, logits: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Drafter logits (B, R, V) -> the top_k log-probabilities and their ids per row, (B, R, k) numpy arrays,
         largest first. On the CPU in numpy over the drafter's kept ids only (its other logits are −inf, their
         probability 0): a torch log_softmax over 49,152 entries costs ~0.15 ms a level right after a pass."""
         k = self.shape.top_k
-        if logits.device.type != "cpu" or logits.dtype != torch.float32 or k > 8:
-            lp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
-            return lp.cpu().numpy(), ids.cpu().numpy()
-        rows = logits.detach().numpy().reshape(-1, logits.shape[-1])
+        if isinstance(logits, np.ndarray) and k > 8:
+            logits = torch.from_numpy(logits)
+        if isinstance(logits, torch.Tensor):
+            if logits.device.type != "cpu" or logits.dtype != torch.float32 or k > 8:
+                lp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+                return lp.cpu().numpy(), ids.cpu().numpy()
+            logits = logits.detach().numpy()
+        rows = logits.reshape(-1, logits.shape[-1])
         if self.kept is None:
             finite = np.flatnonzero(np.isfinite(rows[0]))
             self.kept = finite if len(finite) < rows.shape[1] else None
@@ -165,13 +215,14 @@ class EagleDrafter:
         return lp.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
 
     def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, np.ndarray]:
-        """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N)."""
-        k, dev, B = self.shape.top_k, logits.device, run.batch
+        """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N).
+        numpy arrays (the CPU's host path: the expansions' inputs filled in place) or device tensors."""
+        k, B, host = self.shape.top_k, run.batch, isinstance(feature, np.ndarray)
         live = run.active if run.active.any() else np.ones(B, bool)
         costs = self.costs(int(live.sum())) if self.costs is not None else None
         score, tok = (a[:, 0] for a in self._top(logits[:, None]))                 # (B, k) each
         paths = [(r,) for r in range(k)]                                            # the frontier, shared
-        feat = feature[:, None].expand(-1, k, -1)                                   # (B, k, d)
+        feat = feature[:, None].repeat(k, 1) if host else feature[:, None].expand(-1, k, -1)   # (B, k, d)
         cand_paths, cand_tok, cand_score = list(paths), [tok], [score]
         fed_tok, fed_feat, fed_paths, passes = [], [], [], 1                       # the catch-up was one
         for _ in range(1, depth):
@@ -182,8 +233,8 @@ class EagleDrafter:
             fed_tok.append(tok)
             fed_feat.append(feat)
             fed_paths += paths
-            out = self._expand(run, np.concatenate(fed_tok, 1), torch.cat(fed_feat, 1), tuple(fed_paths), k)
-            child, ctok = self._top(out.logits)                                     # (B, k, k) each
+            out = self._expand(run, fed_tok, fed_feat, tuple(fed_paths), k)
+            child, ctok = self._top(out.host_logits() if host else out.logits)     # (B, k, k) each
             cscore = (score[..., None] + child).reshape(B, -1)                      # (B, k*k)
             children = [p + (r,) for p in paths for r in range(k)]
             cand_paths += children
@@ -192,7 +243,9 @@ class EagleDrafter:
             best = np.argsort(-_mean_prob(cscore[live]), kind="stable")[:k]        # the next frontier
             paths = [children[i] for i in best]
             tok, score = ctok.reshape(B, -1)[:, best], cscore[:, best]
-            feat = out.hidden[:, -k:][:, torch.from_numpy(best // k).to(dev)].clone()   # (B, k, d) the parents'
+            parents = best // k                                                     # (B, k, d) their features
+            feat = out.host_hidden()[:, -k:][:, parents] if host else \
+                out.hidden[:, -k:][:, torch.from_numpy(parents).to(out.hidden.device)].clone()
         m = _mean_prob(np.concatenate(cand_score, 1)[live])                         # (C,)
         # most probable first, shallower first among equals (a node's parent is never less probable)
         order = np.lexsort((np.array([len(p) for p in cand_paths]), -m))[:self.shape.nodes]
@@ -219,27 +272,37 @@ class EagleDrafter:
         return bound / (spent + level + costs.pass_time(n + self.shape.top_k + 1)) > \
             gain / (spent + costs.pass_time(n + 1))
 
-    def _expand(self, run, tokens: np.ndarray, feats, paths: tuple, k: int):
-        """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k."""
-        B, S = tokens.shape
-        mask, depth = _expansion(paths, B, feats.device)
+    def _expand(self, run, tokens: list[np.ndarray], feats: list, paths: tuple, k: int):
+        """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k.
+        `tokens` and `feats`: the frontiers' (B, k) tokens and (B, k, d) features (numpy on the host path)."""
+        B, S = len(tokens[0]), len(paths)
+        if isinstance(feats[0], np.ndarray):
+            inputs, x, host_x = self._feed(B, S)
+            mask, depth = _expansion(paths, B, x.device, host=True)
+            np.concatenate(tokens, 1, out=inputs.host[0])
+            np.add(self.cache.host_past[:, None], depth, out=inputs.host[1])
+            np.minimum(inputs.host[1], run.max_len - 1, out=inputs.host[1])
+            np.concatenate(feats, 1, out=host_x)
+            return self.timer(self.engine, self.cache, inputs.ids, inputs.positions, mask, k, features=x)
+        mask, depth = _expansion(paths, B, feats[0].device)
         pos = (self.cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)     # (B, S)
-        return self.timer(self.engine, self.cache, torch.from_numpy(tokens).to(feats.device), pos, mask, k,
-                          features=feats)
+        return self.timer(self.engine, self.cache, torch.from_numpy(np.concatenate(tokens, 1)).to(pos.device), pos,
+                          mask, k, features=torch.cat(feats, 1))
 
 
 DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
 
 
 @functools.lru_cache(maxsize=1024)
-def _expansion(paths: tuple, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """An expansion pass's mask (B, S, S) (each fed node sees its ancestors) and depth offsets (S,); frontiers
-    recur, so each is made once."""
+def _expansion(paths: tuple, batch: int, device: torch.device, host: bool = False) -> tuple[torch.Tensor, object]:
+    """An expansion pass's mask (B, S, S) (each fed node sees its ancestors) and depth offsets (S,) (a numpy
+    array for the host path); frontiers recur, so each is made once."""
     index = {p: i for i, p in enumerate(paths)}
     mask = np.zeros((len(paths), len(paths)), bool)
     for i, p in enumerate(paths):
         mask[i, [index[p[:j]] for j in range(1, len(p) + 1)]] = True
-    depth = torch.tensor([len(p) - 1 for p in paths], device=device)
+    depth = np.array([len(p) - 1 for p in paths]) if host else \
+        torch.tensor([len(p) - 1 for p in paths], device=device)
     return torch.from_numpy(np.broadcast_to(mask, (batch, *mask.shape)).copy()).to(device), depth
 
 
@@ -252,9 +315,7 @@ def _best_size(costs, probs: np.ndarray, spent: float) -> int:
     """The number of nodes (the most probable first, `probs` their scaled probabilities) with the most expected
     tokens per second: (1 + their probabilities) / (seconds spent drafting + the verify pass over them)."""
     gain = 1 + np.cumsum(np.minimum(probs, 1.0))
-    # measured passes jitter: a larger pass never counts as cheaper than a smaller one
-    cost = spent + np.maximum.accumulate([costs.pass_time(n + 1) for n in range(1, len(probs) + 1)])
-    return int(np.argmax(gain / cost)) + 1
+    return int(np.argmax(gain / (spent + costs.pass_curve(len(probs))))) + 1
 
 
 # ---- per machine: the tree shape -------------------------------------------------------------------------

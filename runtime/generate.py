@@ -98,6 +98,11 @@ class _Run:
         hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
         self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
 
+    @property
+    def last_pass(self) -> tuple:
+        """The last verify pass: its StepOutput, accepted path and counts (host lists on the CPU's host path)."""
+        return self._pass
+
     def _device(self, a) -> torch.Tensor:
         return a if isinstance(a, torch.Tensor) else torch.tensor(a, device=self.device)
 
