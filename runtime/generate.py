@@ -181,6 +181,7 @@ class Generator:
         self._batch_costs: dict = {}
         self._last_pool = None
         self._tree_policies: dict[tuple, TreePolicy] = {}   # (method, tree size, greedy) -> its policy (see Batch)
+        self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
@@ -588,8 +589,12 @@ class Batch:
         max_len = gen.max_len
         margin = self.tree.size if self.tree is not None else (gamma or MAX_GAMMA) + 1
         cache_len = min(max_len, (cache_len or max_len) + margin)
-        self.policy = GammaPolicy(gen.costs(), MAX_GAMMA) if self.drafter and adaptive and gamma is None and \
-            self.tree is None else None
+        self.policy = None
+        if self.drafter and adaptive and gamma is None and self.tree is None:
+            # the acceptance expected at first: what the last request of this kind measured
+            last = gen._gamma_policies.get((method, params.greedy))
+            self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
+                gen.costs(), MAX_GAMMA, **({"prior_alpha": last.alpha} if last is not None else {}))
         # the tree-or-plain choice carries over between requests of one kind: each starts from what the last
         # ones measured instead of growing trees again to learn that they do not pay (or do)
         self.trees = gen._tree_policies.setdefault((method, self.tree.size, params.greedy), TreePolicy()) \

@@ -89,6 +89,17 @@ def test_policy_prefers_plain_steps_when_drafts_fail_and_keeps_probing():
     assert policy.choose() >= 3
 
 
+def test_next_request_expects_the_acceptance_the_last_one_measured(pair):
+    """A weak draft's low acceptance becomes the next request's starting estimate (not the optimistic prior), so
+    that it does not speculate at a loss again while it relearns."""
+    gen, _ = pair
+    first = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, method="draft").stats
+    measured = gen._gamma_policies[("draft", True)].alpha
+    assert first["acceptance_rate"] < 0.5 and measured < GammaPolicy.prior_alpha
+    batch = gen.batch(1, method="draft")
+    assert batch.policy.alpha == pytest.approx(measured)
+
+
 def test_ngram_greedy_equals_target_greedy(pair):
     gen, model = pair
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
