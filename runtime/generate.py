@@ -180,7 +180,6 @@ class Generator:
         self.engine_time = 0.0
         self._batch_costs: dict = {}
         self._last_pool = None
-        self._tree_policies: dict[tuple, TreePolicy] = {}   # (method, tree size, greedy) -> its policy (see Batch)
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
 
     @classmethod
@@ -595,11 +594,7 @@ class Batch:
             last = gen._gamma_policies.get((method, params.greedy))
             self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
                 gen.costs(), MAX_GAMMA, **({"prior_alpha": last.alpha} if last is not None else {}))
-        # the tree-or-plain choice carries over between requests of one kind: each starts from what the last
-        # ones measured instead of growing trees again to learn that they do not pay (or do)
-        self.trees = gen._tree_policies.setdefault((method, self.tree.size, params.greedy), TreePolicy()) \
-            if self.tree is not None and adaptive else None
-        self._tree_rounds_before = self.trees.tree_rounds if self.trees else 0
+        self.trees = TreePolicy() if self.tree is not None and adaptive else None
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
@@ -761,8 +756,7 @@ class Batch:
             stats.update(tree_size=tree.size - 1, tree_depth=tree.max_depth, gamma=tree.max_depth,
                          mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
         if trees is not None:
-            tree_rounds = trees.tree_rounds - self._tree_rounds_before
-            stats.update(tree_rounds=tree_rounds, plain_rounds=run.rounds - tree_rounds)
+            stats.update(tree_rounds=trees.tree_rounds, plain_rounds=run.rounds - trees.tree_rounds)
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
             stats["plain_rounds"] = policy.chosen.count(0)

@@ -164,27 +164,6 @@ def test_tree_policy_falls_back_when_trees_do_not_pay_and_keeps_probing():
     assert policy.choose()
 
 
-def test_tree_policy_carries_over_between_requests(medusa_set):
-    """A request starts from what the last ones of its kind measured: once trees are known not to pay, the next
-    request takes plain steps from its first round (no warm-up trees), and its stats count its own rounds."""
-    gen, _ = medusa_set
-    learnt = TreePolicy(warmup=3, probe_every=8)
-    for _ in range(5):
-        learnt.update(learnt.choose(), 1.0, 0.003)   # trees: 1 token in 3 ms
-    learnt.update(False, 1.0, 0.001)                 # plain steps: 1 token in 1 ms
-    learnt.idle = 0
-    key = ("medusa", gen.tree_for("medusa").size, True)
-    saved = gen._tree_policies.get(key)
-    gen._tree_policies[key] = learnt
-    try:
-        out = gen.generate(prompt_ids=[4, 1, 4, 1], max_new_tokens=6, method="medusa")
-    finally:
-        gen._tree_policies.pop(key)
-        if saved is not None:
-            gen._tree_policies[key] = saved
-    assert out.stats["tree_rounds"] == 0 and out.stats["plain_rounds"] == out.stats["rounds"] == 5
-
-
 def test_automatic_tree_is_saved_and_used(medusa_set):
     gen, model = medusa_set
     prompts = [[1, 2, 3], [4, 5, 6, 7], [9, 9, 2]]
