@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,8 +77,8 @@ class _Shape:
     io: object
     outputs: StepOutput
     inputs: dict = field(default_factory=dict)   # name -> (tensor, (address, shape, device)) bound now
-    cache: Callable = lambda: None               # the cache whose buffers are bound (a weak reference: a
-                                                 # binding does not keep a finished request's cache alive)
+    cache: weakref.ref | None = None             # the cache whose buffers are bound (weakly: a binding does
+                                                 # not keep a finished request's cache alive)
 
 
 class OrtEngine:
@@ -133,7 +132,7 @@ class OrtEngine:
         assert cache is not None, "call new_cache() first"
         B, S = input_ids.shape
         shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
-        if shape.cache() is not cache:   # the cache's buffers, once per shape and cache
+        if shape.cache is None or shape.cache() is not cache:   # the cache's buffers, once per shape and cache
             for i, buf in enumerate(cache.layer_buffers()):
                 bind_tensor(shape.io, "input", f"{'kv'[i % 2]}_cache_{i // 2}", buf, self.device)
             shape.cache = weakref.ref(cache)

@@ -593,7 +593,7 @@ class Batch:
             # the acceptance expected at first: what the last request of this kind measured
             last = gen._gamma_policies.get((method, params.greedy))
             self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
-                gen.costs(), MAX_GAMMA, **({"prior_alpha": last.alpha} if last is not None else {}))
+                gen.costs(), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
         self.trees = TreePolicy() if self.tree is not None and adaptive else None
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
