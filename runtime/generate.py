@@ -595,6 +595,7 @@ class Batch:
             self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
                 gen.costs(), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
         self.trees = TreePolicy() if self.tree is not None and adaptive else None
+        self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
@@ -698,8 +699,8 @@ class Batch:
         elif drafter is None:
             g = 0
         else:
-            if self.policy is not None:
-                self.policy.costs = gen.costs(min(n, MAX_MEASURED_BATCH))
+            if self.policy is not None and n != self._costs_for:   # the costs at this batch size
+                self.policy.costs, self._costs_for = gen.costs(min(n, MAX_MEASURED_BATCH)), n
             g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
         proposal = drafter.propose(run, g) if drafter and g else run.inputs(run.batch, 1).empty
