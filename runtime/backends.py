@@ -96,7 +96,6 @@ class OrtEngine:
         self.dtype = engine_dtype(spec)
         options = session_options(ort, spec, threads)
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
-        self.binding = self.session.io_binding()   # the last pass's (see _Shape)
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
@@ -151,7 +150,6 @@ class OrtEngine:
                 bind_tensor(shape.io, "input", name, t, self.device)
             shape.inputs[name] = (t, key)   # keeps the bound tensor alive while it is bound
         sync_torch(self.device)
-        self.binding = shape.io
         self.session.run_with_iobinding(shape.io)
         return shape.outputs
 

@@ -218,7 +218,7 @@ def test_binding_a_tensor_on_another_device_is_refused(engine_sets):
     cpu, _, _ = engine_sets
     plain = engines(cpu, engine_sets[1])[0]
     with pytest.raises(BackendError, match=r"input 'past_len' is on meta, the engine runs on cpu"):
-        bind_tensor(plain.binding, "input", "past_len", torch.zeros(1, dtype=torch.int64, device="meta"),
+        bind_tensor(plain.session.io_binding(), "input", "past_len", torch.zeros(1, dtype=torch.int64, device="meta"),
                     plain.device)
     cache = plain.new_cache(1)
     with pytest.raises(BackendError, match="input_ids"):
