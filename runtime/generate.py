@@ -531,24 +531,35 @@ class Generator:
     # ---- costs --------------------------------------------------------------------------------------------
     def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1) -> Costs:
         """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch
-        size, ~1 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
+        size, ~1.5 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
         adds passes over a few more sizes up to it."""
         saved = self.engine_time
         if batch not in self._batch_costs:
             context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
             draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
             if batch == 1:
-                verify = {k: self.target.time_pass(context, k) for k in range(1, MAX_GAMMA + 2)}
+                verify = self._pass_times(context, range(1, MAX_GAMMA + 2), batch)
             else:
-                one, most = (self.target.time_pass(context, k, batch=batch) for k in (1, MAX_GAMMA + 1))
+                one, most = self._pass_times(context, (1, MAX_GAMMA + 1), batch).values()
                 verify = {k: one + (most - one) * (k - 1) / MAX_GAMMA for k in range(1, MAX_GAMMA + 2)}
             self._batch_costs[batch] = Costs(draft, verify)
         costs = self._batch_costs[batch]
         upto = min(upto, self.target.spec["max_seq_len"])
-        for k in sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto}):
-            costs.verify[k] = self.target.time_pass(min(64, self.target.spec["max_seq_len"] - k), k, batch=batch)
+        more = sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto})
+        if more:
+            costs.verify.update(self._pass_times(min(64, self.target.spec["max_seq_len"] - more[-1]), more, batch))
         self.engine_time = saved
         return costs
+
+    def _pass_times(self, context: int, sizes, batch: int, sweeps: int = 3) -> dict[int, float]:
+        """Seconds of a target pass over each size: the best of `sweeps` sweeps over the sizes, interleaved, so
+        that a slow spell of a shared machine spoils one sweep, not every measurement of one size (timed one
+        size after the other, a pass over 2 tokens once came out cheaper than one over 1)."""
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(sweeps):
+            for k in best:
+                best[k] = min(best[k], self.target.time_pass(context, k, reps=1, batch=batch))
+        return best
 
     def eagle_costs(self, batch: int, shape: DynamicTree) -> Costs:
         """The target's passes up to the tree's size (`verify`) and one EAGLE drafter pass over two frontiers
