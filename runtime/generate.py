@@ -531,7 +531,7 @@ class Generator:
     # ---- costs --------------------------------------------------------------------------------------------
     def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1) -> Costs:
         """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch
-        size, ~1.5 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
+        size, ~1 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
         adds passes over a few more sizes up to it."""
         saved = self.engine_time
         if batch not in self._batch_costs:
@@ -551,7 +551,7 @@ class Generator:
         self.engine_time = saved
         return costs
 
-    def _pass_times(self, context: int, sizes, batch: int, sweeps: int = 3) -> dict[int, float]:
+    def _pass_times(self, context: int, sizes, batch: int, sweeps: int = 2) -> dict[int, float]:
         """Seconds of a target pass over each size: the best of `sweeps` sweeps over the sizes, interleaved, so
         that a slow spell of a shared machine spoils one sweep, not every measurement of one size (timed one
         size after the other, a pass over 2 tokens once came out cheaper than one over 1)."""
