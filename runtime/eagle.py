@@ -243,7 +243,7 @@ class EagleDrafter:
             best = np.argsort(-_mean_prob(cscore[live]), kind="stable")[:k]        # the next frontier
             paths = [children[i] for i in best]
             tok, score = ctok.reshape(B, -1)[:, best], cscore[:, best]
-            parents = best // k                                                     # (B, k, d) their features
+            parents = best // k                                                     # (k,) among the last k fed
             feat = out.host_hidden()[:, -k:][:, parents] if host else \
                 out.hidden[:, -k:][:, torch.from_numpy(parents).to(out.hidden.device)].clone()
         m = _mean_prob(np.concatenate(cand_score, 1)[live])                         # (C,)
