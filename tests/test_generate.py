@@ -42,6 +42,29 @@ def test_smollm2_greedy_matches_transformers(default_generator, smollm2):
     assert len(ties) <= 2, f"too many near ties to be chance: {ties}"
 
 
+@pytest.mark.slow
+def test_cached_gguf_conversion_loads_as_the_same_model(smollm2, tmp_path):
+    """The source cache's checkpoint directory gives back the converted model: weights, config, eos ids, tokenizer
+    and chat template, logits bit for bit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from specrt.export.sources import _eos_ids, _save_conversion
+    _save_conversion(smollm2.model, smollm2.tokenizer, tmp_path / "conversion")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "conversion", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "conversion")
+    a, b = smollm2.model.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()   # still tied
+    ours, theirs = model.config.to_dict(), smollm2.model.config.to_dict()
+    assert {k for k in theirs if ours.get(k) != theirs[k]} <= {"_name_or_path", "quantization_config"}
+    assert _eos_ids(model) == smollm2.eos_token_ids
+    chat = [{"role": "user", "content": "Name three rivers, ça va?"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == \
+        smollm2.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    ids = torch.tensor([smollm2.tokenizer("Hello world, 12345 <|im_start|>user")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, smollm2.model(ids).logits)
+
+
 def test_same_seed_same_output(tiny_engines):
     gen = Generator.from_engines(tiny_engines["llama"][0])
     kw = dict(prompt_ids=[1, 2, 3], max_new_tokens=20, temperature=0.9, top_k=20, top_p=0.9,
