@@ -5,9 +5,10 @@ Features: the target's last hidden states (after the final norm, as its graph ou
 every row, from its transformers model in bf16, cached in --work (`features.pt`, grown as the data grows).
 Slot t reads (f_t, token t + 1) and learns f_{t+1} (smooth L1, weight 1) and the target's distribution of
 token t + 2 (soft cross-entropy against its top-16 over the kept ids, weight 0.1), on answer slots; the input
-features get uniform noise (EAGLE). With --own-weight > 0 a second pass reads the drafter's own predictions
-(detached, shifted into place) instead of the target's features and learns the same targets: at draft time
-every level below the first reads predicted features. Held-out prompts: the draft's (1 in 16, by name).
+features get uniform noise (EAGLE). With --own-weight > 0, --unroll − 1 more passes read the drafter's own
+predictions of the pass before (detached, shifted into place) instead of the target's features and learn the same
+targets, each with that weight: at draft time every level below the first reads predicted features, level k + 1
+features k steps from the target's. Held-out prompts: the draft's (1 in 16, by name).
 Checkpoint every --save-every steps in --work; rerun the same command to resume. --init DIR starts from a
 trained drafter's weights instead of random ones (a warm start when the data grows).
 
@@ -44,6 +45,7 @@ class EagleTrainConfig:
     warmup: int = 30
     token_weight: float = 0.1
     own_weight: float = 0.5
+    unroll: int = 2             # passes a step: the target's features, then unroll − 1 over the drafter's own
     noise: float = 0.2          # input features + U(-noise/2, noise/2)
     eval_every: int = 100
     save_every: int = 25
@@ -53,7 +55,8 @@ class EagleTrainConfig:
     threads: int = 2
 
 
-RESUME_KEYS = ("vocab", "steps", "batch_tokens", "lr", "warmup", "token_weight", "own_weight", "noise", "seed")
+RESUME_KEYS = ("vocab", "steps", "batch_tokens", "lr", "warmup", "token_weight", "own_weight", "unroll", "noise",
+               "seed")
 
 
 def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
@@ -131,11 +134,14 @@ def step_loss(model: EagleModel, batch, cfg, noise: bool) -> tuple[torch.Tensor,
     with torch.autocast("cpu", dtype=torch.bfloat16):
         pred = model.train_forward(f, ids)                                          # (b, S, d)
         loss, stats = losses(model, pred, target, t_idx, t_val, fmask, tmask, cfg)
-        if cfg.own_weight > 0:     # slot t reads the prediction of slot t − 1 (slot 0 keeps the target's)
+        for k in range(1, cfg.unroll if cfg.own_weight > 0 else 1):
+            # pass k: slot t reads the prediction of slot t − 1 in pass k − 1 (slot 0 keeps the target's), so
+            # the features it reads are k steps from the target's, as at depth k + 1 of a draft
             own = torch.cat([f[:, :1], pred[:, :-1].detach().float()], 1)
-            loss2, stats2 = losses(model, model.train_forward(own, ids), target, t_idx, t_val, fmask, tmask, cfg)
-            loss = loss + cfg.own_weight * loss2
-            stats["own_agreement"] = stats2["agreement"]
+            pred = model.train_forward(own, ids)
+            loss_k, stats_k = losses(model, pred, target, t_idx, t_val, fmask, tmask, cfg)
+            loss = loss + cfg.own_weight * loss_k
+            stats["own_agreement" if k == 1 else f"own{k}_agreement"] = stats_k["agreement"]
     return loss, stats
 
 
@@ -196,7 +202,7 @@ def train(cfg: EagleTrainConfig) -> None:
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        made = {k: saved["config"].get(k) for k in RESUME_KEYS}
+        made = {k: saved["config"].get(k, getattr(EagleTrainConfig, k)) for k in RESUME_KEYS}
         if made != {k: v for k, v in asdict(cfg).items() if k in RESUME_KEYS}:
             raise SystemExit(f"{ckpt} was made with other settings ({made}): delete it to start over, or pass "
                              "another --work")
