@@ -132,6 +132,10 @@ def _save_conversion(model, tokenizer, out: Path) -> None:
         config.pop("quantization_config", None)   # the weights are plain float32 now
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
         tmp.replace(out)
+        stem = out.name.split("-transformers-")[0].rsplit("-", 1)[0]   # the file's name, without the digest
+        for old in out.parent.glob(f"{stem}-*-transformers-*"):   # another version of the file or of transformers
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         if (out / "config.json").is_file():   # another process cached it first
             return
