@@ -10,7 +10,6 @@ turns it off), keyed by the file's sha256 and the transformers version, and load
 weights, config, generation config and tokenizer."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 
 from specrt.errors import UnknownSourceError
 from specrt.export.architectures import REGISTRY
+from specrt.manifest import sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,11 +112,8 @@ def _cache_dir(gguf: Path) -> Path | None:
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specrt"
     import transformers
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return Path(root) / "sources" / f"{gguf.stem}-{digest.hexdigest()[:16]}-transformers-{transformers.__version__}"
+    digest = sha256_file(gguf)[:16]
+    return Path(root) / "sources" / f"{gguf.stem}-{digest}-transformers-{transformers.__version__}"
 
 
 def _save_conversion(model, tokenizer, out: Path) -> None:
