@@ -133,7 +133,7 @@ class EagleDrafter:
 
     def propose(self, run, gamma: int) -> Proposal:
         self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
-        host = self._host_history is not None and run.params.greedy
+        host = self._host_history is not None and (run.params.greedy or run.params.plain)
         logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
         tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
         nodes = torch.from_numpy(tokens).to(run.device)

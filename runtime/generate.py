@@ -426,7 +426,7 @@ class Generator:
         past_len = length − 1; a tree's accepted path is compacted into consecutive slots. Returns the round's one
         host read: per row the accepted count, the next token, the proposal's width and the accepted path's
         tokens (root first), see _account. The pass's inputs come from the host mirrors into buffers the engine
-        keeps bound. On the CPU the greedy rules and the sampled chains' (top-k/top-p off) run in plain Python over
+        keeps bound. On the CPU the greedy rules and the sampled ones (top-k/top-p off) run in plain Python over
         numpy views of the engine's buffers, and only the accepted entries are written to the cache: a pass
         streams all the weights through the caches, so right after it every distinct torch or numpy operation
         costs tens of µs of cold code and data (a torch round took ~0.8 ms of host time, this one ~0.25)."""
@@ -454,20 +454,21 @@ class Generator:
         out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
         run.path_start = cache.past_len
         params = run.params
-        chain_sample = not params.greedy and tree is None and params.plain
-        if on_host and (params.greedy or chain_sample) and out.host is not None:   # plain Python on the host
+        if on_host and (params.greedy or params.plain) and out.host is not None:   # plain Python on the host
             logits, tokens, path = out.host_logits(), host[0].tolist(), None
-            if chain_sample:   # γ + 1 uniforms per row from the run's generator
-                u = torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
+            u = None if params.greedy else \
+                torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
+            if tree is not None:   # u: one uniform per child tried, then the draw
+                rows, path = verification.tree_greedy_host(logits, tokens, tree) if params.greedy else \
+                    verification.tree_sampled_host(logits, tokens, tree, params.temperature, u)
+                accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
+            elif params.greedy:
+                rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B)
+                accepted = [r[0] + 1 for r in rows]
+            else:                  # u: acceptance at each position, then the draw
                 q = proposal.q.numpy() if proposal.q is not None else None
                 rows = verification.sampled_host(logits, tokens, proposal.on_host()[1] if g else [0] * B, q,
                                                  params.temperature, u)
-                accepted = [r[0] + 1 for r in rows]
-            elif tree is not None:
-                rows, path = verification.tree_greedy_host(logits, tokens, tree)
-                accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
-            else:
-                rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B)
                 accepted = [r[0] + 1 for r in rows]
             cache.write(out.host_kv(), past, accepted)   # the accepted path's entries only, in order
             run.after_pass(out, path, [r[0] for r in rows])

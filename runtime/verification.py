@@ -144,6 +144,42 @@ def tree_greedy_host(logits: np.ndarray, tokens: list[list[int]], tree) -> tuple
     return rows, paths
 
 
+def without_host(R: np.ndarray, x: int) -> np.ndarray:
+    """without() on the host, for one row's residual weights R (V,): (R − δx)+, in place."""
+    R[x] = 0.0
+    return R
+
+
+def tree_sampled_host(logits: np.ndarray, tokens: list[list[int]], tree, temperature: float,
+                      u: list[list[float]]) -> tuple[list[list[int]], list]:
+    """tree_sampled() on the host (top-k and top-p off), in plain Python over the target's logits (B, N+1, V) (see
+    greedy_host): the residual is softmax(logits / T) as unnormalised weights, made only at the nodes reached;
+    u[b] holds N + 1 uniforms per row (one per child tried, in rank order, then the draw). Returns the commit
+    rows (width: the tree's depth) and each row's path as node ids, root first, padded with its last node to
+    max_depth + 1, as tree_greedy_host."""
+    rows, paths = [], []
+    D = tree.max_depth
+    for b, tt in enumerate(tokens):
+        node, path, tried = 0, [0], 0
+        R = softmax_host(logits[b, 0], temperature, normalise=False)   # a new array: removals stay in it
+        while True:
+            for c in tree.children[node]:
+                x, uc = tt[c], u[b][tried]
+                tried += 1
+                if uc * float(R.sum()) < R[x]:                         # accept x with probability R(x) / ΣR
+                    node = c
+                    break
+                R = without_host(R, x)
+            else:
+                break                                                  # every child failed (or a leaf)
+            path.append(node)
+            R = softmax_host(logits[b, node], temperature, normalise=False)
+        n = len(path) - 1
+        rows.append([n, draw_host(R, u[b][-1]), D] + [tt[i] for i in path])
+        paths.append(path + [path[-1]] * (D - n))
+    return rows, paths
+
+
 def without(R: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The residual after a deterministic proposal x is rejected, in the given rows: (R − δx)+, in place. R is
     kept unnormalised (acceptance divides by its total)."""

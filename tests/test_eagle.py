@@ -157,6 +157,7 @@ def test_broken_sibling_rule_is_caught(eagle_pair, monkeypatch):
     gen, model, _ = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
     monkeypatch.setattr(verification, "without", lambda R, rows, x: R)
+    monkeypatch.setattr(verification, "without_host", lambda R, x: R)
     prompt = [5, 1, 7]
     out = sample_first3(gen, prompt, "eagle", None, seed=99, temperature=1.0)
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))

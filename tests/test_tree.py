@@ -210,14 +210,16 @@ def test_medusa_distribution_is_the_target_distribution(medusa_set, kw):
     assert p > P_MIN
 
 
-def test_broken_sibling_rule_is_caught(medusa_set, monkeypatch):
+# top_k = V keeps the law of T = 1 but takes the torch rules (the CPU loop's host rules need top-k off)
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=1.0, top_k=V)], ids=["host", "torch"])
+def test_broken_sibling_rule_is_caught(medusa_set, monkeypatch, kw):
     """Power: not removing a rejected sibling from the residual must fail the same test."""
     gen, model = medusa_set
     monkeypatch.setattr(verification, "without", lambda R, rows, x: R)
+    monkeypatch.setattr(verification, "without_host", lambda R, x: R)
     prompt = [5, 1, 7]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa",
-                       tree_choices=Tree.from_paths(PATHS), seed=2024, temperature=1.0,
-                       adaptive=False)
-    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
-    print(f"broken sibling rule: chi-square p = {p:.2e}")
+                       tree_choices=Tree.from_paths(PATHS), seed=2024, adaptive=False, **kw)
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"broken sibling rule ({kw}): chi-square p = {p:.2e}")
     assert p < P_MIN

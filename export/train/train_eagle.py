@@ -3,8 +3,8 @@
 Data: the target's own answers with its top-16 logits per position (`data.py --batched`, `make train-data`).
 Features: the target's last hidden states (after the final norm, as its graph outputs them) at every position of
 every row, from its transformers model in bf16, cached in --work (`features.pt`, grown as the data grows).
-Slot t reads (f_t, token t + 1) and learns f_{t+1} (smooth L1, weight 1) and the target's distribution of
-token t + 2 (soft cross-entropy against its top-16 over the kept ids, weight 0.1), on answer slots; the input
+Slot t reads (f_t, token t + 1) and learns f_{t+1} (smooth L1, --feature-weight 1) and the target's distribution
+of token t + 2 (soft cross-entropy against its top-16 over the kept ids, --token-weight 0.1), on answer slots; the input
 features get uniform noise (EAGLE). With --own-weight > 0, --unroll − 1 more passes read the drafter's own
 predictions of the pass before (detached, shifted into place) instead of the target's features and learn the same
 targets, each with that weight: at draft time every level below the first reads predicted features, level k + 1
@@ -43,6 +43,7 @@ class EagleTrainConfig:
     batch_tokens: int = 4096
     lr: float = 5e-4
     warmup: int = 30
+    feature_weight: float = 1.0
     token_weight: float = 0.1
     own_weight: float = 0.5
     unroll: int = 2             # passes a step: the target's features, then unroll − 1 over the drafter's own
@@ -55,8 +56,8 @@ class EagleTrainConfig:
     threads: int = 2
 
 
-RESUME_KEYS = ("vocab", "steps", "batch_tokens", "lr", "warmup", "token_weight", "own_weight", "unroll", "noise",
-               "seed")
+RESUME_KEYS = ("vocab", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight", "own_weight",
+               "unroll", "noise", "seed")
 
 
 def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
@@ -123,8 +124,8 @@ def losses(model: EagleModel, pred, target, t_idx, t_val, fmask, tmask, cfg) -> 
     token_loss = -(p * logq.gather(-1, idx.clamp(min=0))).sum(-1).mean()
     top1 = idx[:, 0] >= 0
     agree = (logq.argmax(-1) == idx[:, 0])[top1].float().mean()                     # the target's greedy token
-    return feat_loss + cfg.token_weight * token_loss, {"feature": feat_loss.item(), "token": token_loss.item(),
-                                                        "agreement": agree.item()}
+    stats = {"feature": feat_loss.item(), "token": token_loss.item(), "agreement": agree.item()}
+    return cfg.feature_weight * feat_loss + cfg.token_weight * token_loss, stats
 
 
 def step_loss(model: EagleModel, batch, cfg, noise: bool) -> tuple[torch.Tensor, dict]:
