@@ -241,7 +241,11 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
 
 def _cost_entry(gen) -> dict:
     costs = gen.costs()
-    return {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
+    entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
+    if gen.eagle is not None:   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
+        from specrt.eagle import DynamicTree
+        entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step
+    return entry
 
 
 def _system_name(gen, taken: list[str]) -> str:

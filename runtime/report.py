@@ -34,9 +34,18 @@ def _order(system: str) -> tuple:
     return (SYSTEM_ORDER.get(system.split(" ")[0], len(SYSTEM_ORDER)), system)
 
 
-def summarize(runs: list[dict], costs: dict[str, Costs]) -> list[dict]:
+def _eagle_c(info: dict) -> dict[str, float]:
+    """Each specrt system's EAGLE drafter pass over a tree level over its target's one-token pass."""
+    entries = {"specrt": info["costs"], **{c["system"]: c["costs"] for c in info.get("compare", [])}}
+    return {name: e["eagle_level_s"] / {int(k): v for k, v in e["verify_s"].items()}[1]
+            for name, e in entries.items() if e.get("eagle_level_s") is not None}
+
+
+def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, float] | None = None) -> list[dict]:
     """One row per (system, method, temperature): totals over prompts, speedup against specrt autoregressive
-    at the same temperature (tokens/s over tokens/s, both measured in this run)."""
+    at the same temperature (tokens/s over tokens/s, both measured in this run). c: the drafter's step over the
+    target's (the draft model's for draft*, the EAGLE drafter's level pass for eagle, 0 for drafters that cost
+    no pass)."""
     groups = defaultdict(list)
     for r in runs:
         groups[(r["system"], r["method"], r["temperature"])].append(r)
@@ -51,7 +60,8 @@ def summarize(runs: list[dict], costs: dict[str, Costs]) -> list[dict]:
         rows.append({
             "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
             "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
-            "c": (cost.c if method.startswith("draft") else 0.0) if speculative else None,
+            "c": (cost.c if method.startswith("draft") else (eagle_c or {}).get(system, 0.0) if method == "eagle"
+                  else 0.0) if speculative else None,
             "gamma_mean": gamma,
             "predicted_speedup": cost.predicted_speedup(alpha, max(1, round(gamma)))
             if chain and speculative and alpha is not None and gamma else None,
@@ -178,7 +188,7 @@ def report_markdown(results: dict) -> str:
         f"{_f(info.get('load_average_end'), '.1f')} at the end.", "",
         markdown_table(COLUMNS, table_rows(results["summary"])), "",
         "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
-        "α: accepted / proposed drafts (mean over prompts). c: draft step / target step. Predicted: "
+        "α: accepted / proposed drafts (mean over prompts). c: draft step / target step (eagle: one drafter pass over a tree level / target step). Predicted: "
         "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "
         "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
         "(medusa, draft-tree, eagle; α there is accepted length / tree depth). Plain: the share of rounds taken as "
@@ -319,7 +329,7 @@ def write_outputs(bench) -> dict:
     from specrt.bench import PEER_LOOKUP_TOKENS
     cfg, info = bench.config, bench.info
     costs = _costs(info)
-    summary = summarize(bench.runs, costs)
+    summary = summarize(bench.runs, costs, _eagle_c(info))
     costs = costs["specrt"]
     attach_memory(summary, bench.memory)
     results = {

@@ -267,3 +267,25 @@ def test_sized_trees_keep_the_target_output(eagle_pair, monkeypatch, costs):
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
     print(f"eagle sized trees ({costs}): chi-square p = {p:.4f}")
     assert p > P_MIN
+
+
+def test_bench_reports_the_drafter_cost(eagle_pair, tmp_path):
+    """The bench's eagle rows carry c, the drafter's pass over a tree level against the target's step."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specrt.bench import bench
+    gen, _, tmp = eagle_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3, 1, 2]}) + "\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench, [str(gen.directory), "--prompts", str(prompts), "--methods", "eagle",
+                                        "--temperatures", "0", "--max-new-tokens", "6", "--num-prompts", "1",
+                                        "--gamma-sweep", "", "--no-peers", "--no-memory", "--no-llamacpp",
+                                        "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    row = next(s for s in r["summary"] if s["method"] == "eagle")
+    level, one = r["info"]["costs"]["eagle_level_s"], r["info"]["costs"]["verify_s"]["1"]
+    assert level > 0 and row["c"] == pytest.approx(level / one)
