@@ -35,6 +35,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 SEED_TASKS = Path(__file__).parent / "data" / "seed_tasks.jsonl"
 
@@ -242,6 +243,21 @@ def _bf16_target():
     return src
 
 
+class _TopK(LogitsProcessor):
+    """Keeps the top-k of the target's raw logits at every step (it runs before the sampling warpers) and passes
+    them on unchanged: the labels, without holding every step's full logits (B x steps x V floats, 4 GB at B = 128
+    and 160 steps, which `output_logits` keeps)."""
+
+    def __init__(self, k: int):
+        self.k, self.values, self.index = k, [], []
+
+    def __call__(self, input_ids, scores):
+        top = scores.float().topk(self.k, dim=-1)
+        self.values.append(top.values.half())
+        self.index.append(top.indices.int())
+        return scores
+
+
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
                      num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
                      max_calls: int = 0, num_varied: int = 0, num_self: int = 0) -> None:
@@ -295,16 +311,14 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
             torch.manual_seed(batch_seed)
             sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if mode == "sampled" \
                 else dict(do_sample=False)
+            top = _TopK(topk)
             with torch.no_grad():
-                gen = model.generate(input_ids=inputs, attention_mask=attn, max_new_tokens=max_new_tokens,
-                                     num_return_sequences=n, pad_token_id=pad, eos_token_id=sorted(eos),
-                                     output_logits=True, return_dict_in_generate=True, **sampling)
-            top = [step.float().topk(topk, dim=-1) for step in gen.logits]          # per step: (B, k)
-            values = torch.stack([t.values for t in top], 1).half()                  # (B, steps, k)
-            index = torch.stack([t.indices for t in top], 1).int()
-            del gen.logits
+                seqs = model.generate(input_ids=inputs, attention_mask=attn, max_new_tokens=max_new_tokens,
+                                      num_return_sequences=n, pad_token_id=pad, eos_token_id=sorted(eos),
+                                      logits_processor=LogitsProcessorList([top]), **sampling)
+            values, index = torch.stack(top.values, 1), torch.stack(top.index, 1)    # (B, steps, k)
             rows, labels = [], {}
-            for j, seq in enumerate(gen.sequences[:, width:].tolist()):
+            for j, seq in enumerate(seqs[:, width:].tolist()):
                 p, prompt = chunk[j // n], ids[j // n]
                 answer = []
                 for t in seq:
