@@ -188,7 +188,8 @@ def report_markdown(results: dict) -> str:
         f"{_f(info.get('load_average_end'), '.1f')} at the end.", "",
         markdown_table(COLUMNS, table_rows(results["summary"])), "",
         "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
-        "α: accepted / proposed drafts (mean over prompts). c: draft step / target step (eagle: one drafter pass over a tree level / target step). Predicted: "
+        "α: accepted / proposed drafts (mean over prompts). c: draft step / target step (eagle: one drafter pass over "
+        "a tree level / target step). Predicted: "
         "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "
         "Tokens/round counts the target's own token (mean accepted length + 1). Tree: nodes verified per round "
         "(medusa, draft-tree, eagle; α there is accepted length / tree depth). Plain: the share of rounds taken as "
