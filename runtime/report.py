@@ -23,22 +23,25 @@ def _mean_positions(lists):
     return [_mean([xs[i] for xs in lists if len(xs) > i]) for i in range(width)]
 
 
+def _cost_entries(info: dict) -> dict[str, dict]:
+    """Each specrt system's recorded costs: "specrt" (ENGINES) and every --compare engine set."""
+    return {"specrt": info["costs"], **{c["system"]: c["costs"] for c in info.get("compare", [])}}
+
+
 def _costs(info: dict) -> dict[str, Costs]:
-    """Each specrt system's measured costs: "specrt" (ENGINES) and every --compare engine set."""
-    entries = {"specrt": info["costs"], **{c["system"]: c["costs"] for c in info.get("compare", [])}}
+    """Each specrt system's measured costs."""
     return {name: Costs(e["draft_step_s"], {int(k): v for k, v in e["verify_s"].items()})
-            for name, e in entries.items()}
+            for name, e in _cost_entries(info).items()}
 
 
 def _order(system: str) -> tuple:
     return (SYSTEM_ORDER.get(system.split(" ")[0], len(SYSTEM_ORDER)), system)
 
 
-def _eagle_c(info: dict) -> dict[str, float]:
+def _eagle_c(info: dict, costs: dict[str, Costs]) -> dict[str, float]:
     """Each specrt system's EAGLE drafter pass over a tree level over its target's one-token pass."""
-    entries = {"specrt": info["costs"], **{c["system"]: c["costs"] for c in info.get("compare", [])}}
-    return {name: e["eagle_level_s"] / {int(k): v for k, v in e["verify_s"].items()}[1]
-            for name, e in entries.items() if e.get("eagle_level_s") is not None}
+    return {name: e["eagle_level_s"] / costs[name].verify[1]
+            for name, e in _cost_entries(info).items() if e.get("eagle_level_s") is not None}
 
 
 def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, float] | None = None) -> list[dict]:
@@ -330,7 +333,7 @@ def write_outputs(bench) -> dict:
     from specrt.bench import PEER_LOOKUP_TOKENS
     cfg, info = bench.config, bench.info
     costs = _costs(info)
-    summary = summarize(bench.runs, costs, _eagle_c(info))
+    summary = summarize(bench.runs, costs, _eagle_c(info, costs))
     costs = costs["specrt"]
     attach_memory(summary, bench.memory)
     results = {
