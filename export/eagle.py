@@ -1,4 +1,5 @@
-"""EAGLE-style feature drafter: one decoder layer of the target's shape over [feature; next-token embedding].
+"""EAGLE-style feature drafter: decoder layers of the target's shape (one by default) over [feature; next-token
+embedding].
 
 Slot t reads the target's feature f_t (its last hidden state at position t, after the final norm: the `hidden`
 output of the target graph) and the embedding of token t + 1, fused by a linear layer 2d -> d, and predicts
@@ -6,13 +7,14 @@ the feature at t + 1; the target's own LM head (restricted to the drafter's kept
 `specrt_vocab.json`) turns it into the distribution of token t + 2. At draft time the drafter reads its own
 predicted features below the first tree level.
 
-Checkpoint directory: `eagle_config.json` (the layer's shape: hidden_size, intermediate_size, num_heads,
-num_kv_heads, head_dim; it must equal the target's), `eagle.safetensors` (`fc.*`, `layer.*`; the embeddings and
-the LM head are not stored, they come from the target at export) and optionally `specrt_vocab.json`.
+Checkpoint directory: `eagle_config.json` (the layers' shape: hidden_size, intermediate_size, num_heads,
+num_kv_heads, head_dim, which must equal the target's, and num_layers, 1 if absent), `eagle.safetensors` (`fc.*`,
+`layers.N.*`; the embeddings and the LM head are not stored, they come from the target at export) and optionally
+`specrt_vocab.json`.
 
-Graph (the engine contract, one layer): input_ids, position_ids, past_len, tree_mask, num_logits, `features`
-[B, S, d], k_cache_0, v_cache_0 -> logits [B, num_logits, V], hidden [B, S, d] (the predicted features),
-k_new_0, v_new_0.
+Graph (the engine contract, L layers): input_ids, position_ids, past_len, tree_mask, num_logits, `features`
+[B, S, d], k_cache_0, v_cache_0, ... -> logits [B, num_logits, V], hidden [B, S, d] (the predicted features),
+k_new_0, v_new_0, ...
 """
 from __future__ import annotations
 
@@ -29,16 +31,17 @@ from specrt.export.model import Block, SpecModel, full_vocab, rotate_half
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+TRAINED = ("fc.", "layers.")
 
 
 class EagleModel(nn.Module):
     """The trained part (`fc`, `layer`) on the target's frozen embeddings, LM head and rope tables."""
 
-    def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None):
+    def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1):
         super().__init__()
-        a = self.args = replace(target.args, num_layers=1)
+        a = self.args = replace(target.args, num_layers=num_layers)
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
-        self.layer = Block(a)
+        self.layers = nn.ModuleList(Block(a) for _ in range(num_layers))
         self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
         head = target.lm_head.weight.detach()
         if target.vocab_index is not None:   # a target that keeps a subset: back to the full rows is impossible
@@ -59,14 +62,17 @@ class EagleModel(nn.Module):
         w = self.fc.weight                                                      # (d, 2d)
         return features @ w[:, :d].T + self.embed_tokens(input_ids) @ w[:, d:].T + self.fc.bias  # (B, S, d)
 
-    def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, features, k_cache, v_cache):
-        x = self.fuse(features, input_ids)                                      # (B, S, d)
+    def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, features, *caches):
+        hidden = self.fuse(features, input_ids)                                 # (B, S, d)
         cos = self.rope_cos[position_ids].unsqueeze(1)                          # (B, 1, S, D)
         sin = self.rope_sin[position_ids].unsqueeze(1)                          # (B, 1, S, D)
-        hidden, k, v = self.layer(x, cos, sin, past_len, tree_mask, k_cache, v_cache)  # (B, S, d)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            hidden, k, v = layer(hidden, cos, sin, past_len, tree_mask, caches[2 * i], caches[2 * i + 1])
+            new_kv += [k, v]
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)
-        return self.logits(hidden.index_select(1, last)), hidden, k, v
+        return (self.logits(hidden.index_select(1, last)), hidden, *new_kv)
 
     def logits(self, hidden):
         """Predicted features (..., d) -> logits (..., V), -inf outside the kept ids."""
@@ -75,31 +81,45 @@ class EagleModel(nn.Module):
 
     def train_forward(self, features, input_ids):
         """Teacher-forced pass over whole sequences (B, S, d), (B, S) -> predicted features (B, S, d): the same
-        layer as `forward` with causal attention through SDPA (differentiable; `forward`'s attention op is not)."""
-        a, layer = self.args, self.layer
+        layers as `forward` with causal attention through SDPA (differentiable; `forward`'s attention op is not)."""
+        a = self.args
         x = self.fuse(features, input_ids)
         B, S, _ = x.shape
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]                         # (S, D)
-        h = layer.input_layernorm(x)
-        att = layer.self_attn
-        q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
-        k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-        v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            att = layer.self_attn
+            q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
+            k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
+            v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
 
     def trained_state(self) -> dict:
-        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layer."))}
+        return {k: v for k, v in self.state_dict().items() if k.startswith(TRAINED)}
+
+    def grow_from(self, smaller: "EagleModel") -> None:
+        """Start as `smaller` (fewer layers): its weights in the first layers, and each added layer's output
+        projections (attention and MLP) zeroed, so that it adds nothing to the residual stream until trained."""
+        self.load_state_dict(smaller.trained_state(), strict=False)
+        with torch.no_grad():
+            for layer in self.layers[len(smaller.layers):]:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
 
 
-def new_eagle(target: SpecModel, vocab_subset: list[int] | None = None, seed: int = 0) -> EagleModel:
+def new_eagle(target: SpecModel, vocab_subset: list[int] | None = None, seed: int = 0,
+              num_layers: int = 1) -> EagleModel:
     """A freshly initialised drafter (std 0.02 weights, zero biases, unit norms) for `target`."""
     gen = torch.Generator().manual_seed(seed)
-    model = EagleModel(target, vocab_subset)
+    model = EagleModel(target, vocab_subset, num_layers)
     for name, p in model.named_parameters():
-        if name.startswith(("fc.", "layer.")):
+        if name.startswith(TRAINED):
             with torch.no_grad():
                 p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p) if name.endswith("bias")
                         else torch.randn(p.shape, generator=gen) * 0.02)
@@ -112,10 +132,15 @@ def save_eagle(model: EagleModel, directory: Path, dtype=torch.float16) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to(dtype).contiguous() for k, v in model.trained_state().items()},
               str(directory / WEIGHTS))
-    (directory / CONFIG).write_text(json.dumps({k: getattr(model.args, k) for k in SHAPE}) + "\n")
+    (directory / CONFIG).write_text(json.dumps({k: getattr(model.args, k) for k in (*SHAPE, "num_layers")}) + "\n")
     if model.vocab_index is not None:
         from specrt.export.sources import VOCAB_FILE
         (directory / VOCAB_FILE).write_text(json.dumps({"kept_ids": model.vocab_index.tolist()}) + "\n")
+
+
+def renamed(state: dict) -> dict:
+    """Weights saved before the drafter could have several layers named its one layer `layer.*`."""
+    return {"layers.0." + k[6:] if k.startswith("layer.") else k: v for k, v in state.items()}
 
 
 def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
@@ -131,10 +156,11 @@ def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
     if wrong:
         raise InputError(f"--eagle {directory}: its layer does not have the target's shape "
                          f"({', '.join(f'{k} {a} vs {b}' for k, (a, b) in wrong.items())}); train it for this target")
-    model = EagleModel(target, read_vocab_subset(directory, target.args.vocab_size))
-    frozen = {k: v for k, v in model.state_dict().items() if not k.startswith(("fc.", "layer."))}
+    model = EagleModel(target, read_vocab_subset(directory, target.args.vocab_size), config.get("num_layers", 1))
+    frozen = {k: v for k, v in model.state_dict().items() if not k.startswith(TRAINED)}
+    weights = {k: v.float() for k, v in renamed(load_file(str(directory / WEIGHTS))).items()}
     try:
-        model.load_state_dict({**{k: v.float() for k, v in load_file(str(directory / WEIGHTS)).items()}, **frozen})
+        model.load_state_dict({**weights, **frozen})
     except RuntimeError as e:
         raise InputError(f"--eagle {directory}: the weights do not match {CONFIG} ({e})") from e
     return model.eval()
@@ -148,11 +174,11 @@ def export_eagle(model: EagleModel, path: Path) -> None:
     from specrt.plugins.tree_attention import attach_function
     a = model.args
     B, S = 1, 3
-    caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2)]
+    caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * a.num_layers)]
     args = (torch.zeros(B, S, dtype=torch.int64), torch.arange(S)[None], torch.zeros(B, dtype=torch.int64),
             torch.ones(S, S, dtype=torch.bool).tril()[None], torch.tensor([S], dtype=torch.int64),
             torch.zeros(B, S, a.hidden_size), *caches)
-    cache_in, cache_out = cache_names(1)
+    cache_in, cache_out = cache_names(a.num_layers)
     inputs = ["input_ids", "position_ids", "past_len", "tree_mask", "num_logits", "features", *cache_in]
     dyn = {"input_ids": {0: "B", 1: "S"}, "position_ids": {0: "B", 1: "S"}, "past_len": {0: "B"},
            "tree_mask": {0: "B", 1: "S", 2: "S"}, "features": {0: "B", 1: "S"}, "logits": {0: "B", 1: "num_logits"},

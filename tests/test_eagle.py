@@ -21,12 +21,12 @@ from test_speculative import N, P_MIN, V, chi_square_p, exact_joint, sample_firs
 MAX_LEN = 48
 
 
-def export_with_eagle(tmp, model, drafter_weights="float32", seed=3):
+def export_with_eagle(tmp, model, drafter_weights="float32", seed=3, layers=1):
     """Save `model`, a fresh random EAGLE drafter for it, export and build both; return the engine directory."""
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
     model.save_pretrained(tmp / "src")
-    save_eagle(new_eagle(from_hf(model, MAX_LEN), seed=seed), tmp / "eagle", dtype=torch.float32)
+    save_eagle(new_eagle(from_hf(model, MAX_LEN), seed=seed, num_layers=layers), tmp / "eagle", dtype=torch.float32)
     export_engines(str(tmp / "src"), tmp / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
                    eagle=str(tmp / "eagle"))
     build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights=drafter_weights)
@@ -47,10 +47,13 @@ def shaped(gen, **shape):
 
 
 def test_graph_matches_eager(eagle_pair):
+    gen, model, tmp = eagle_pair
+    assert_graph_matches_eager(gen, load_eagle(tmp / "eagle", from_hf(model, MAX_LEN)))
+
+
+def assert_graph_matches_eager(gen, eager):
     """The ONNX Runtime engine against the eager model: a prefix written to the cache, then a tree over it;
     and the training pass (SDPA, causal) against the graph's forward."""
-    gen, model, tmp = eagle_pair
-    eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
     g = torch.Generator().manual_seed(0)
     d = eager.args.hidden_size
     feats, ids = torch.randn(1, 9, d, generator=g), torch.randint(0, V, (1, 9), generator=g)
@@ -172,6 +175,28 @@ def test_int8_engine_keeps_greedy_output(tmp_path):
     ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12).token_ids[0]
     out = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12, method="eagle")
     assert_same_or_tie(out.token_ids[0], ref, [1, 2, 3, 4], model)
+
+
+def test_two_layer_drafter(tmp_path):
+    """A drafter of two layers: its engine (two caches) equals its eager model and keeps the target's greedy
+    output; grown from a one-layer drafter, it starts with that drafter's outputs (the added layer a no-op)."""
+    model = tiny_model("llama", seed=5, vocab=V, init=0.3)
+    gen = Generator.from_engines(export_with_eagle(tmp_path, model, layers=2))
+    assert gen.eagle.spec["layers"] == 2
+    target = from_hf(model, MAX_LEN)
+    two = load_eagle(tmp_path / "eagle", target)
+    assert len(two.layers) == 2
+    assert_graph_matches_eager(gen, two)
+    for seed in range(2):
+        prompt = torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="eagle", adaptive=False)
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+    one = new_eagle(target, seed=7)
+    two.grow_from(one)
+    feats, ids = torch.randn(1, 9, target.args.hidden_size), torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(two.train_forward(feats, ids), one.train_forward(feats, ids))
 
 
 def test_bad_inputs(eagle_pair, tmp_path):

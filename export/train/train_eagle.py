@@ -10,7 +10,8 @@ predictions of the pass before (detached, shifted into place) instead of the tar
 targets, each with that weight: at draft time every level below the first reads predicted features, level k + 1
 features k steps from the target's. Held-out prompts: the draft's (1 in 16, by name).
 Checkpoint every --save-every steps in --work; rerun the same command to resume. --init DIR starts from a
-trained drafter's weights instead of random ones (a warm start when the data grows).
+trained drafter's weights instead of random ones (a warm start when the data grows); with --layers above its
+count, the added layers start as no-ops (their output projections zero), so training starts from its outputs.
 
     python -m specrt.export.train.train_eagle --data build/distill/data.jsonl --work build/eagle-train \
         --out export/drafters/smollm2-135m-eagle --max-minutes 30
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from specrt.export.eagle import EagleModel, load_eagle, new_eagle, save_eagle
+from specrt.export.eagle import TRAINED, EagleModel, load_eagle, new_eagle, renamed, save_eagle
 from specrt.export.train.train_draft import is_val, load_labels, load_rows
 
 
@@ -39,6 +40,7 @@ class EagleTrainConfig:
     out: str = "export/drafters/smollm2-135m-eagle"
     vocab: str = "export/drafters/smollm2-135m-draft"   # the kept output ids of this directory ("": all)
     init: str = ""              # a trained drafter directory to start from ("": random weights)
+    layers: int = 1             # decoder layers (more than --init has: the added ones start as no-ops)
     steps: int = 1500
     batch_tokens: int = 4096
     lr: float = 5e-4
@@ -56,7 +58,7 @@ class EagleTrainConfig:
     threads: int = 2
 
 
-RESUME_KEYS = ("vocab", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight", "own_weight",
+RESUME_KEYS = ("vocab", "layers", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight", "own_weight",
                "unroll", "noise", "seed")
 
 
@@ -186,14 +188,17 @@ def train(cfg: EagleTrainConfig) -> None:
     V = src.model.config.vocab_size
     kept = read_vocab_subset(Path(cfg.vocab), V) if cfg.vocab else None
     target = from_hf(src.model, 2048)
-    model = new_eagle(target, kept, cfg.seed).train()
+    model = new_eagle(target, kept, cfg.seed, cfg.layers).train()
     if cfg.init:   # a warm start (a checkpoint in --work, when there is one, replaces it below)
-        model.load_state_dict(load_eagle(cfg.init, target).trained_state(), strict=False)
+        init = load_eagle(cfg.init, target)
+        if len(init.layers) > cfg.layers:
+            raise SystemExit(f"--init {cfg.init} has {len(init.layers)} layers, more than --layers {cfg.layers}")
+        model.grow_from(init)
     del src, target
     remap = torch.arange(V) if kept is None else torch.full((V,), -1, dtype=torch.long)
     if kept is not None:
         remap[torch.tensor(kept)] = torch.arange(len(kept))
-    params = [p for n, p in model.named_parameters() if n.startswith(("fc.", "layer."))]
+    params = [p for n, p in model.named_parameters() if n.startswith(TRAINED)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
@@ -207,7 +212,7 @@ def train(cfg: EagleTrainConfig) -> None:
         if made != {k: v for k, v in asdict(cfg).items() if k in RESUME_KEYS}:
             raise SystemExit(f"{ckpt} was made with other settings ({made}): delete it to start over, or pass "
                              "another --work")
-        model.load_state_dict(saved["model"], strict=False)
+        model.load_state_dict(renamed(saved["model"]), strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
         state = saved["state"]
