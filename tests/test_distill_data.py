@@ -74,5 +74,7 @@ def test_self_written_requests_are_kept_and_join_the_prompts(tmp_path):
     starters = [s for kind in STARTERS.values() for s in kind]
     assert written and all(any(r["prompt"].startswith(s) for s in starters) for r in written)
     assert self_prompts(out, 6, seed=0) == written and (tmp_path / "self_prompts.jsonl").read_text() == kept
+    assert self_prompts(out, 12, seed=0, deadline=0.0) == written      # past the run's budget: no more written
+    assert (tmp_path / "self_prompts.jsonl").read_text() == kept
     prompts = all_prompts(num_template=0, seed=0, self_written=written)     # what generate_batched answers
     assert [p for p in prompts if p["source"] == "self"] == written and prompts.index(written[0]) < 4

@@ -147,10 +147,12 @@ STARTERS = {
 }
 
 
-def self_prompts(out: Path, n: int, seed: int, batch: int = 128, max_new_tokens: int = 96) -> list[dict]:
+def self_prompts(out: Path, n: int, seed: int, batch: int = 128, max_new_tokens: int = 96,
+                 deadline: float = float("inf")) -> list[dict]:
     """`n` requests the target writes itself (sampled at T = 0.8, top-p 0.95, from a starter of each kind in turn),
-    written to `self_prompts.jsonl` beside `out` and read from there on later calls (resumable). A request that
-    does not end within `max_new_tokens` or has fewer than four words is dropped (its slot stays empty)."""
+    written to `self_prompts.jsonl` beside `out` and read from there on later calls (resumable; past `deadline`,
+    a time.time(), it writes no more and returns those written). A request that does not end within
+    `max_new_tokens` or has fewer than four words is dropped (its slot stays empty)."""
     path = out.parent / "self_prompts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if len(rows) >= n or not n:
@@ -163,7 +165,7 @@ def self_prompts(out: Path, n: int, seed: int, batch: int = 128, max_new_tokens:
     kinds = [(kind, s) for kind, starters in STARTERS.items() for s in starters]
     rng = random.Random(f"self-{seed}")
     with path.open("a") as f:
-        while len(rows) < n:
+        while len(rows) < n and time.time() < deadline:
             chunk = [(len(rows) + j, *kinds[(len(rows) + j) % len(kinds)]) for j in range(min(batch, n - len(rows)))]
             ids = [_ids(tok(prefix + starter, add_special_tokens=False)["input_ids"]) for _, _, starter in chunk]
             width = max(map(len, ids))
@@ -269,6 +271,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
     target's up to bf16 rounding."""
     from rich.progress import Progress
 
+    deadline = time.time() + 60 * max_minutes   # the whole run's budget, the self-written requests included
     src = _bf16_target()
     model, tok, eos = src.model, src.tokenizer, set(src.eos_token_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else src.eos_token_ids[0]
@@ -280,7 +283,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
         if int(stale.stem) >= len(lines):
             stale.unlink()
     done = {(r["prompt_id"], r["mode"]) for r in map(json.loads, lines)}
-    prompts = all_prompts(num_template, seed, num_varied, self_prompts(out, num_self, seed, batch))
+    prompts = all_prompts(num_template, seed, num_varied, self_prompts(out, num_self, seed, batch, deadline=deadline))
     encoded = {p["prompt_id"]: _ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
                                                               add_generation_prompt=True, tokenize=True))
                for p in prompts}
@@ -376,7 +379,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--samples", type=int, default=3, help="sampled answers per prompt, besides the greedy one")
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--max-minutes", type=float, default=22.0)
+    ap.add_argument("--max-minutes", type=float, default=22.0,
+                    help="time budget of the run (with --num-self, writing the requests counts); rerun to continue")
     ap.add_argument("--num-template", type=int, default=400)
     ap.add_argument("--num-varied", type=int, default=0, help="prompts from prompts.py (source 'varied')")
     ap.add_argument("--num-self", type=int, default=0,
