@@ -199,6 +199,21 @@ def test_two_layer_drafter(tmp_path):
         assert torch.equal(two.train_forward(feats, ids), one.train_forward(feats, ids))
 
 
+def test_loads_checkpoints_named_before_layers(eagle_pair, tmp_path):
+    """A one-layer checkpoint saved before the drafter could have several layers (`layer.*`) loads the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    _, model, tmp = eagle_pair
+    saved = load_file(str(tmp / "eagle" / "eagle.safetensors"))
+    old = {k.replace("layers.0.", "layer.", 1): v for k, v in saved.items()}
+    save_file(old, str(tmp_path / "eagle.safetensors"))
+    shutil.copy(tmp / "eagle" / "eagle_config.json", tmp_path)
+    target = from_hf(model, MAX_LEN)
+    now, before = load_eagle(tmp / "eagle", target).state_dict(), load_eagle(tmp_path, target).state_dict()
+    assert now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in now)
+
+
 def test_bad_inputs(eagle_pair, tmp_path):
     gen, model, tmp = eagle_pair
     with pytest.raises(InputError, match="depth <= nodes"):

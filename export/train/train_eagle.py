@@ -58,8 +58,8 @@ class EagleTrainConfig:
     threads: int = 2
 
 
-RESUME_KEYS = ("vocab", "layers", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight", "own_weight",
-               "unroll", "noise", "seed")
+RESUME_KEYS = ("vocab", "layers", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight",
+               "own_weight", "unroll", "noise", "seed")
 
 
 def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
