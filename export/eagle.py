@@ -35,7 +35,7 @@ TRAINED = ("fc.", "layers.")
 
 
 class EagleModel(nn.Module):
-    """The trained part (`fc`, `layer`) on the target's frozen embeddings, LM head and rope tables."""
+    """The trained part (`fc`, `layers`) on the target's frozen embeddings, LM head and rope tables."""
 
     def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1):
         super().__init__()

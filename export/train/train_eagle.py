@@ -177,6 +177,8 @@ def train(cfg: EagleTrainConfig) -> None:
 
     from specrt.export.model import from_hf
     from specrt.export.sources import load_source, read_vocab_subset
+    if cfg.layers < 1:
+        raise SystemExit(f"--layers {cfg.layers}: the drafter needs at least one decoder layer")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     work = Path(cfg.work)
