@@ -46,8 +46,14 @@ class DynamicTree:
                              "1 <= top_k <= 16, 1 <= depth <= 16 and depth <= nodes <= 256")
 
     @property
+    def span(self) -> int:
+        """Cache slots a round writes from the pending token's on: the verified tree's (root and nodes), or the
+        widest expansion pass's (top_k nodes per level below the last, written while they are read)."""
+        return max(self.nodes + 1, self.top_k * (self.depth - 1))
+
+    @property
     def envelope(self) -> Tree:
-        """A tree of the largest size and depth a round may propose (the loop sizes its cache room by it)."""
+        """A tree of the largest size and depth a round may propose."""
         return Tree.from_paths([(0,) * d for d in range(1, self.depth + 1)] +
                                [(r,) for r in range(1, self.nodes - self.depth + 1)])
 
@@ -69,7 +75,7 @@ class EagleDrafter:
 
     def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
-        self.tree = shape.envelope
+        self.tree, self.span = shape.envelope, shape.span
         self.kept = None                  # the drafter's output ids (finite logits), learnt from its first row
         self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
@@ -339,7 +345,8 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     try:
         for shape in shapes:
             draft.spec["dynamic_tree"] = asdict(shape)
-            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle", adaptive=False).stats for p in prompts]
+            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle", adaptive=False).stats
+                    for p in prompts]
             rounds = sum(s["rounds"] for s in outs)
             per_round = sum(s["tokens"] - 1 for s in outs) / max(1, rounds)
             loop = sum(s["loop_time_s"] for s in outs) / max(1, rounds)

@@ -598,7 +598,9 @@ class Batch:
         self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive)
         self.tree = getattr(self.drafter, "tree", None)
         max_len = gen.max_len
-        margin = self.tree.size if self.tree is not None else (gamma or MAX_GAMMA) + 1
+        # cache slots a round may write from the pending token's on (EAGLE's expansion passes can need more)
+        self.span = getattr(self.drafter, "span", self.tree.size) if self.tree is not None else (gamma or MAX_GAMMA) + 1
+        margin = self.span
         cache_len = min(max_len, (cache_len or max_len) + margin)
         self.policy = None
         if self.drafter and adaptive and gamma is None and self.tree is None:
@@ -704,7 +706,7 @@ class Batch:
         began, n = time.perf_counter(), run.batch
         timed = True
         if tree is not None:   # a tree round needs cache room for the whole tree, else a plain step
-            g = tree.max_depth if gen._room(run) >= tree.size - 1 else 0
+            g = tree.max_depth if gen._room(run) >= self.span - 1 else 0
             if g and self.trees is not None:
                 timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time
                 g = g if timed and self.trees.choose() else 0

@@ -75,7 +75,7 @@ def assert_graph_matches_eager(gen, eager):
 
 
 @pytest.mark.parametrize("shape", [dict(top_k=4, depth=5, nodes=16), dict(top_k=2, depth=3, nodes=4),
-                                   dict(top_k=1, depth=4, nodes=4)], ids=str)
+                                   dict(top_k=1, depth=4, nodes=4), dict(top_k=6, depth=4, nodes=8)], ids=str)
 def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     gen, model, _ = eagle_pair
     shaped(gen, **shape)
