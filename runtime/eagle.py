@@ -11,8 +11,8 @@ The tree grows from there: a frontier of the `top_k` nodes with the best cumulat
 depth, each expanded to its `top_k` most probable children, for `depth` levels; the `nodes` best of every
 candidate by that score form the round's tree (scores fall along a path, so it contains its ancestors). Rows
 of a batch share the tree's shape (rank paths chosen by the mean probability over the live rows; for one row
-exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level is one pass over the frontiers
-so far (an expansion node must see its ancestors, which are not in the cache), with its output features fed
+exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level is one pass over the frontier and
+its ancestors (an expansion node must see them, and they are not in the cache), with its output features fed
 to its children; the expansion passes write nothing to the cache.
 
 Adaptive rounds (the default) size the tree by the machine's measured costs, the shape being an envelope:
@@ -230,16 +230,14 @@ class EagleDrafter:
         paths = [(r,) for r in range(k)]                                            # the frontier, shared
         feat = feature[:, None].repeat(k, 1) if host else feature[:, None].expand(-1, k, -1)   # (B, k, d)
         cand_paths, cand_tok, cand_score = list(paths), [tok], [score]
-        fed_tok, fed_feat, fed_paths, passes = [], [], [], 1                       # the catch-up was one
+        fed, passes = [], 1                   # the frontiers fed: (paths, tokens, features); the catch-up was one
         for _ in range(1, depth):
             if costs is not None and not self._deeper(costs, np.concatenate(cand_score, 1)[live], score[live],
                                                       passes):
                 break
             passes += 1
-            fed_tok.append(tok)
-            fed_feat.append(feat)
-            fed_paths += paths
-            out = self._expand(run, fed_tok, fed_feat, tuple(fed_paths), k)
+            fed.append((paths, tok, feat))
+            out = self._expand(run, *_lineage(fed), k)
             child, ctok = self._top(out.host_logits() if host else out.logits)     # (B, k, k) each
             cscore = (score[..., None] + child).reshape(B, -1)                      # (B, k*k)
             children = [p + (r,) for p in paths for r in range(k)]
@@ -279,8 +277,8 @@ class EagleDrafter:
             gain / (spent + costs.pass_time(n + 1))
 
     def _expand(self, run, tokens: list[np.ndarray], feats: list, paths: tuple, k: int):
-        """One pass over every frontier fed so far (B, S): each sees its own ancestors; logits of the last k.
-        `tokens` and `feats`: the frontiers' (B, k) tokens and (B, k, d) features (numpy on the host path)."""
+        """One pass over the frontier and its ancestors (B, S): each sees its own ancestors; logits of the last k.
+        `tokens` and `feats`: per level, (B, n) tokens and (B, n, d) features (numpy on the host path)."""
         B, S = len(tokens[0]), len(paths)
         if isinstance(feats[0], np.ndarray):
             inputs, x, host_x = self._feed(B, S)
@@ -310,6 +308,24 @@ def _expansion(paths: tuple, batch: int, device: torch.device, host: bool = Fals
     depth = np.array([len(p) - 1 for p in paths]) if host else \
         torch.tensor([len(p) - 1 for p in paths], device=device)
     return torch.from_numpy(np.broadcast_to(mask, (batch, *mask.shape)).copy()).to(device), depth
+
+
+def _lineage(fed: list[tuple]) -> tuple[list, list, tuple]:
+    """The frontiers fed so far, (paths, tokens (B, k), features (B, k, d)) per level -> the last one and its
+    ancestors, shallowest first, as _expand takes them: tokens and features per level, and the paths. An
+    expansion reads only the last frontier's outputs, which see only their ancestors: the other nodes of earlier
+    frontiers would cost pass time for nothing."""
+    need = {p[:j] for p in fed[-1][0] for j in range(1, len(p))}
+    tokens, feats, paths = [], [], []
+    for level, (ps, tok, feat) in enumerate(fed):
+        keep = [i for i, p in enumerate(ps) if p in need]
+        if level < len(fed) - 1 and len(keep) < len(ps):
+            ps, tok = [ps[i] for i in keep], tok[:, keep]
+            feat = feat[:, keep if isinstance(feat, np.ndarray) else torch.tensor(keep, device=feat.device)]
+        paths += ps
+        tokens.append(tok)
+        feats.append(feat)
+    return tokens, feats, tuple(paths)
 
 
 def _mean_prob(score: np.ndarray) -> np.ndarray:
