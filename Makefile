@@ -54,7 +54,7 @@ demo: engines
 	    --method medusa
 
 test: engines
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: engines engines-int4
 	$(SPECRT) bench $(ENGINES) --compare $(INT4) --methods autoregressive,draft,ngram,medusa,draft-tree,eagle \
