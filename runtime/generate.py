@@ -705,7 +705,7 @@ class Batch:
             return
         began, n = time.perf_counter(), run.batch
         timed = True
-        if tree is not None:   # a tree round needs cache room for the whole tree, else a plain step
+        if tree is not None:   # a tree round needs cache room for its span, else a plain step
             g = tree.max_depth if gen._room(run) >= self.span - 1 else 0
             if g and self.trees is not None:
                 timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time

@@ -165,7 +165,8 @@ def test_expansions_feed_only_the_lineage(eagle_pair, monkeypatch):
     prompt = [5, 1, 6, 2, 9, 3]
     lean = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="eagle", adaptive=False).token_ids
     lean_fed, lean_trees = fed[:], trees[:]
-    fed.clear(), trees.clear()
+    fed.clear()
+    trees.clear()
     monkeypatch.setattr(eagle, "_lineage", lambda frontiers: ([f[1] for f in frontiers], [f[2] for f in frontiers],
                                                               tuple(p for f in frontiers for p in f[0])))
     assert gen.generate(prompt_ids=prompt, max_new_tokens=24, method="eagle", adaptive=False).token_ids == lean
