@@ -599,9 +599,9 @@ class Batch:
         self.tree = getattr(self.drafter, "tree", None)
         max_len = gen.max_len
         # cache slots a round may write from the pending token's on (EAGLE's expansion passes can need more)
-        self.span = getattr(self.drafter, "span", self.tree.size) if self.tree is not None else (gamma or MAX_GAMMA) + 1
-        margin = self.span
-        cache_len = min(max_len, (cache_len or max_len) + margin)
+        self.span = (getattr(self.drafter, "span", self.tree.size) if self.tree is not None
+                     else (gamma or MAX_GAMMA) + 1)
+        cache_len = min(max_len, (cache_len or max_len) + self.span)
         self.policy = None
         if self.drafter and adaptive and gamma is None and self.tree is None:
             # the acceptance expected at first: what the last request of this kind measured
