@@ -277,7 +277,7 @@ def train(cfg: TrainConfig) -> None:
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        same = ("max_minutes", "score_minutes")
+        same = ("max_minutes", "score_minutes", "threads")   # settings that do not change what is trained
         if saved["config"] != asdict(cfg) | {k: saved["config"][k] for k in same}:
             raise SystemExit(f"{ckpt} was written with another configuration; delete {work} to start over")
         model.load_state_dict(saved["model"], strict=False)
