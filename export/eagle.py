@@ -14,7 +14,9 @@ num_kv_heads, head_dim, which must equal the target's, and num_layers, 1 if abse
 
 Graph (the engine contract, L layers): input_ids, position_ids, past_len, tree_mask, num_logits, `features`
 [B, S, d], k_cache_0, v_cache_0, ... -> logits [B, num_logits, V], hidden [B, S, d] (the predicted features),
-k_new_0, v_new_0, ...
+k_new_0, v_new_0, ... A drafter with kept ids outputs their K logits only ([B, num_logits, K]); the engine set
+records the ids (`output_ids` in the manifest, a JSON file beside the graph), and the runtime maps the columns
+back. Filling a -inf row of the whole vocabulary and scattering into it took a quarter of a drafter pass here.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class EagleModel(nn.Module):
             new_kv += [k, v]
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)
-        return (self.logits(hidden.index_select(1, last)), hidden, *new_kv)
+        return (self.lm_head(hidden.index_select(1, last)), hidden, *new_kv)   # over the kept ids
 
     def logits(self, hidden):
         """Predicted features (..., d) -> logits (..., V), -inf outside the kept ids."""

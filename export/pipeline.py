@@ -1,6 +1,7 @@
 """`specrt export`: load the models, trace each to ONNX, save the tokenizer, write the manifest."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -80,6 +81,10 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 log("tracing the EAGLE drafter to ONNX")
                 export_eagle(drafter, tmp / "eagle.onnx")
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids)
+                if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
+                    ids = drafter.vocab_index.tolist()
+                    (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")
+                    models["eagle"]["output_ids"] = {**file_entry(tmp, "eagle_vocab.json"), "count": len(ids)}
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}

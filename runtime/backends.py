@@ -11,6 +11,7 @@ import torch
 
 from specrt.errors import BackendError
 from specrt.kv_cache import KVCache
+from specrt.manifest import logits_width
 from specrt.tensorrt_backend import TensorRTEngine  # noqa: F401  (the backend of TensorRT engine sets)
 
 
@@ -159,7 +160,7 @@ class OrtEngine:
         chains and the drafters' catch-ups change shape from round to round). All shapes share the buffers; the
         bindings are dropped when a buffer grows, and the oldest when there are MAX_SHAPES."""
         s = self.spec
-        sizes = {"logits": B * num_logits * s["vocab_size"], "hidden": B * S * s["hidden_size"],
+        sizes = {"logits": B * num_logits * logits_width(s), "hidden": B * S * s["hidden_size"],
                  "new_kv": 2 * self.layers * B * s["kv_heads"] * S * s["head_dim"]}
         if any(name not in self._buffers or self._buffers[name].numel() < n for name, n in sizes.items()):
             self._shapes.clear()   # their views would keep the old buffers alive

@@ -73,10 +73,12 @@ class EagleDrafter:
     shape, as EAGLE-2 does."""
     name = "eagle"
 
-    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None):
+    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
         self.tree, self.span = shape.envelope, shape.span
-        self.kept = None                  # the drafter's output ids (finite logits), learnt from its first row
+        # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
+        # or else learnt from its first row of whole-vocabulary logits (the finite ones)
+        self.kept, self.narrow = output_ids, output_ids is not None
         self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
@@ -195,16 +197,18 @@ class EagleDrafter:
                 np.stack([hidden[b, j] for b, j in enumerate(last)]))
 
     def _top(self, logits: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drafter logits (B, R, V) -> the top_k log-probabilities and their ids per row, (B, R, k) numpy arrays,
-        largest first. On the CPU in numpy over the drafter's kept ids only (its other logits are −inf, their
-        probability 0): a torch log_softmax over 49,152 entries costs ~0.15 ms a level right after a pass."""
+        """Drafter logits (B, R, V), or (B, R, K) over its output ids -> the top_k log-probabilities and their ids
+        per row, (B, R, k) numpy arrays, largest first. On the CPU in numpy over the drafter's kept ids only (its
+        other logits are −inf, their probability 0): a torch log_softmax over 49,152 entries costs ~0.15 ms a
+        level right after a pass."""
         k = self.shape.top_k
         if isinstance(logits, np.ndarray) and k > 8:
             logits = torch.from_numpy(logits)
         if isinstance(logits, torch.Tensor):
             if logits.device.type != "cpu" or logits.dtype != torch.float32 or k > 8:
                 lp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
-                return lp.cpu().numpy(), ids.cpu().numpy()
+                lp, ids = lp.cpu().numpy(), ids.cpu().numpy()
+                return lp, self.kept[ids] if self.narrow else ids
             logits = logits.detach().numpy()
         rows = logits.reshape(-1, logits.shape[-1])
         if self.kept is None:
@@ -212,7 +216,8 @@ class EagleDrafter:
             self.kept = finite if len(finite) < rows.shape[1] else None
         lp, ids = np.empty((len(rows), k), np.float32), np.empty((len(rows), k), np.int64)
         for r, row in enumerate(rows):
-            x = row[self.kept] if self.kept is not None else row   # a copy, or scratch (the pass's own buffer)
+            # the pass's own buffer as scratch, or a copy of the kept columns
+            x = row if self.narrow or self.kept is None else row[self.kept]
             top = x.max()
             lse = top + np.log(np.exp(x - top).sum())
             taken, values = top_k_in_place(x, k)

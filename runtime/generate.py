@@ -1,6 +1,7 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ class Generator:
         self.directory, self.manifest = directory, manifest
         self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
         self.eagle = eagle
+        self.eagle_ids = None   # the vocabulary ids of the EAGLE drafter's logit columns, if only its kept ones
         self.engine_time = 0.0
         self._batch_costs: dict = {}
         self._last_pool = None
@@ -211,8 +213,12 @@ class Generator:
                 check_file(directory, entry, "tokenizer")
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-        return cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"),
-                   engines.get("eagle"))
+        gen = cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"),
+                  engines.get("eagle"))
+        if "output_ids" in models.get("eagle", {}):
+            path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
+            gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
+        return gen
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -392,7 +398,7 @@ class Generator:
             if self.chains_only:
                 shape = DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth)
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
-            return EagleDrafter(self.eagle, self._timed, shape, sizing)
+            return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)

@@ -24,6 +24,11 @@ def file_entry(directory: Path, name: str) -> dict:
     return {"file": name, "sha256": sha256_file(directory / name)}
 
 
+def logits_width(spec: dict) -> int:
+    """Columns of a graph's logits: the vocabulary, or the kept ids of a drafter that outputs only theirs."""
+    return spec["output_ids"]["count"] if "output_ids" in spec else spec["vocab_size"]
+
+
 def write_manifest(directory: Path, manifest: dict) -> None:
     """Atomic: a reader sees the old manifest or the new one, never half of one."""
     tmp = directory / (MANIFEST + ".tmp")

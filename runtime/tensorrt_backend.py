@@ -14,6 +14,7 @@ import torch
 
 from specrt.errors import BackendError
 from specrt.kv_cache import KVCache
+from specrt.manifest import logits_width
 
 TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
                "INT32": torch.int32, "BOOL": torch.bool}
@@ -138,7 +139,7 @@ class TensorRTEngine:
         for name, shape in feeds.items():
             self._set(name, self._static(name, shape))
         self.context.set_tensor_address("num_logits", self._num_logits.data_ptr())
-        logits = self._static("logits", torch.Size((B, num_logits, s["vocab_size"])))
+        logits = self._static("logits", torch.Size((B, num_logits, logits_width(s))))
         hidden = self._static("hidden", torch.Size((B, S, s["hidden_size"])))
         new_kv = self._static("new_kv", torch.Size((2 * self.layers, B, s["kv_heads"], S, s["head_dim"])))
         outputs = {"logits": logits, "hidden": hidden,

@@ -208,6 +208,39 @@ def test_int8_engine_keeps_greedy_output(tmp_path):
     assert_same_or_tie(out.token_ids[0], ref, [1, 2, 3, 4], model)
 
 
+def test_drafter_with_kept_ids_outputs_only_theirs(tmp_path):
+    """A drafter that keeps a subset of the vocabulary: its engine outputs the kept ids' logits only (the
+    manifest records the ids), equal to the eager model's there; the top-k maps the columns back to token ids, and
+    the target's greedy output is kept."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    model = tiny_model("llama", seed=6, vocab=V, init=0.3)
+    model.save_pretrained(tmp_path / "src")
+    target, kept = from_hf(model, MAX_LEN), list(range(1, V, 2))
+    save_eagle(new_eagle(target, kept, seed=3), tmp_path / "eagle", dtype=torch.float32)
+    export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
+                   eagle=str(tmp_path / "eagle"))
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    gen = Generator.from_engines(tmp_path / "engines")
+    assert gen.manifest["models"]["eagle"]["output_ids"]["count"] == len(kept) and gen.eagle_ids.tolist() == kept
+    eager = load_eagle(tmp_path / "eagle", target)
+    g = torch.Generator().manual_seed(1)
+    feats, ids = torch.randn(1, 5, target.args.hidden_size, generator=g), torch.randint(0, V, (1, 5), generator=g)
+    cache = gen.eagle.new_cache(1, MAX_LEN)
+    out = gen.eagle.forward(ids, torch.arange(5)[None], cache.past_len, chain_mask(1, 5), 5, cache, features=feats)
+    with torch.no_grad():
+        full = eager.logits(eager.train_forward(feats, ids))                        # (1, 5, V), -inf elsewhere
+    assert out.logits.shape[-1] == len(kept) and torch.allclose(out.logits, full[..., kept], atol=1e-4)
+    for k in (3, 9):                                                 # the host's numpy top-k, torch's past 8
+        want_lp, want_ids = torch.log_softmax(full, -1).topk(k, -1)
+        lp, top = EagleDrafter(None, None, DynamicTree(k, 3, 9), output_ids=gen.eagle_ids)._top(out.logits.clone())
+        assert top.tolist() == want_ids.tolist() and np.allclose(lp, want_lp.numpy(), atol=1e-4)
+    prompt = [1, 2, 3, 4, 5]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=20).token_ids[0]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="eagle", adaptive=False)
+    assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+
+
 def test_two_layer_drafter(tmp_path):
     """A drafter of two layers: its engine (two caches) equals its eager model and keeps the target's greedy
     output; grown from a one-layer drafter, it starts with that drafter's outputs (the added layer a no-op)."""
