@@ -13,11 +13,25 @@
   constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left. Each
   row's new keys and values go at its own past_len in the layer's attention columns (not after the longest row's
   cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`).
+- The cache is written in place, not copied: each layer scatters the pass's new keys and values into the cache
+  itself. The written caches are graph outputs (`k_cache_<i>` + `_written`); bound to the cache inputs' own
+  buffers, as `OrtEngine` binds them, ONNX Runtime's ScatterElements writes the S new entries and copies nothing.
+  Attention then reads every slot of the cache where the cache is at most 3/2 of the window the pass needs
+  (max(past_len) + S slots: `generate` sizes its caches to the request), else a copy of that window (a server's
+  caches hold max_seq_len): an `If` per layer, the branches the same arithmetic over the columns of one mask bias.
+  The contract holds either way: the runtime still writes the accepted entries from `k_new`/`v_new`, and slots
+  past a row's past_len are scratch. They must hold finite values, as caches that start zeroed and are written only
+  by the engines do: a masked column's probability is 0, and 0 · NaN is not 0 (batches already relied on this).
+  Before, each layer copied the window twice (a Slice, then a ScatterElements into the copy). SmolLM2-135M, 2
+  threads, 4 alternating runs, a pass over 1 / 8 / 16 tokens: after 1,900 cached positions 60 → 47, 101 → 82 and
+  127 → 117 ms; after 1,024, 47 → 38, 72 → 67, 97 → 89; after 256, 37 → 33, 58 → 54, 75 → 69; after 64, no change;
+  in a 2,048-slot cache (the window branch) after 64, 256 and 1,024 positions 0.87–0.91× at 1 token, 0.91–1.06× at 8.
 
 The attention arithmetic is the function body's (the same MatMuls, scale, bias and Softmax), so a token's logits
 do not depend on the pass width more than before; ONNX Runtime's fused RoPE and norm kernels round differently from
 the unfused nodes by float32 ulps. A node whose neighbours do not have the exported form is left as it is (the
-counts, recorded in the manifest, say what was fused). Measured on SmolLM2-135M: 2,252 nodes -> 956 once built.
+counts, recorded in the manifest, say what was fused). Measured on SmolLM2-135M: 2,252 nodes -> 800 once built
+(and 4 or 6 in each branch of the layers' `If`s).
 """
 from __future__ import annotations
 
@@ -27,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specrt.manifest import WRITTEN
 from specrt.plugins.tree_attention import DOMAIN, OP_TYPE
 
 MS = "com.microsoft"
@@ -91,12 +106,22 @@ def _copy(node):
     return out
 
 
+def _inputs(node) -> list[str]:
+    """A node's inputs, with the outer-scope values its subgraphs (an If's branches) read."""
+    names = list(node.input)
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            inner = {o for m in a.g.node for o in m.output} | {i.name for i in a.g.initializer}
+            names += [i for m in a.g.node for i in _inputs(m) if i not in inner]
+    return names
+
+
 def _topological(nodes, known):
     known, out, pending = set(known) | {""}, [], list(nodes)
     while pending:
         rest = []
         for n in pending:
-            if all(i in known for i in n.input):
+            if all(i in known for i in _inputs(n)):
                 out.append(n)
                 known.update(n.output)
             else:
@@ -114,7 +139,7 @@ def _prune(model):
     for n in reversed(model.graph.node):
         if any(o in needed for o in n.output):
             keep.append(n)
-            needed.update(n.input)
+            needed.update(_inputs(n))
     keep = [_copy(n) for n in reversed(keep)]
     model.graph.ClearField("node")
     model.graph.node.extend(keep)
@@ -298,7 +323,7 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         q, k_cache, v_cache, k_new, v_new, past_len, tree_mask = t.input
         if shared is None:
             shared = (past_len, tree_mask)
-            new.extend(_shared_nodes(H // Hkv, Hkv, D, past_len, tree_mask))
+            new.extend(_shared_nodes(H // Hkv, Hkv, D, past_len, tree_mask, k_cache))
             g.g.initializer.extend([_ints("fused/q_groups", [0, Hkv, -1, D]), _ints("fused/heads", [0, H, -1, D]),
                                     _ints("fused/kv_heads", [0, 0, Hkv, D]), _ints("fused/merged", [0, 0, H * D])])
         elif (past_len, tree_mask) != shared:   # the bias is built once, from the first node's inputs
@@ -311,33 +336,51 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         p = f"{t.name or t.output[0]}/fused/"
         scale = next(a.f for a in t.attribute if a.name == "scale")
         dead.add(tuple(t.output))
+        keys, values = k_cache + WRITTEN, v_cache + WRITTEN   # (B, Hkv, T, D): graph outputs, see the docstring
+        dtype = {i.name: i.type.tensor_type.elem_type for i in g.g.input}.get(k_cache, TensorProto.FLOAT)
+        g.g.output.extend(helper.make_tensor_value_info(name, dtype, None) for name in (keys, values))
         new += [
-            n("Slice", [k_cache, "fused/i0", "fused/T1", "fused/i2"], [p + "k_window"]),   # (B, Hkv, T, D)
-            n("Slice", [v_cache, "fused/i0", "fused/T1", "fused/i2"], [p + "v_window"]),
-            n("ScatterElements", [p + "k_window", "fused/slots", k_new], [p + "keys"], axis=2),  # new at past_len
-            n("ScatterElements", [p + "v_window", "fused/slots", v_new], [p + "values"], axis=2),
+            n("ScatterElements", [k_cache, "fused/slots", k_new], [keys], axis=2),      # new at past_len
+            n("ScatterElements", [v_cache, "fused/slots", v_new], [values], axis=2),
             n("Reshape", [q, "fused/q_groups"], [p + "qg"]),                               # (B, Hkv, G*S, D)
-            n("Transpose", [p + "keys"], [p + "keys_t"], perm=[0, 1, 3, 2]),               # (B, Hkv, D, T)
-            n("MatMul", [p + "qg", p + "keys_t"], [p + "raw"]),                            # (B, Hkv, G*S, T)
-            n("Constant", [], [p + "scale"], value=helper.make_tensor(p + "scale", TensorProto.FLOAT, [], [scale])),
-            n("Mul", [p + "raw", p + "scale"], [p + "scores"]),
-            n("Add", [p + "scores", "fused/bias"], [p + "masked"]),
-            n("Softmax", [p + "masked"], [p + "probs"], axis=-1),
-            n("MatMul", [p + "probs", p + "values"], [p + "context"]),                     # (B, Hkv, G*S, D)
+            n("If", ["fused/whole"], [p + "context"],                                      # (B, Hkv, G*S, D)
+              then_branch=_attention(p + "whole/", p + "qg", keys, values, scale),
+              else_branch=_attention(p + "window/", p + "qg", keys, values, scale, window=True)),
             n("Reshape", [p + "context", "fused/heads"], [t.output[0]]),                   # (B, H, S, D)
         ]
         counts["attention"] += 1
 
 
-def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str) -> list:
+def _attention(p: str, qg: str, keys: str, values: str, scale: float, window: bool = False) -> onnx.GraphProto:
+    """One branch of a layer's attention over the T columns of `fused/bias`: all of the written cache's slots, or
+    (`window`) a copy of its first T."""
+    n = helper.make_node
+    nodes = [n("Constant", [], [p + "scale"], value=helper.make_tensor(p + "scale", TensorProto.FLOAT, [], [scale]))]
+    if window:
+        nodes += [n("Slice", [keys, "fused/i0", "fused/T1", "fused/i2"], [p + "keys"]),
+                  n("Slice", [values, "fused/i0", "fused/T1", "fused/i2"], [p + "values"])]
+        keys, values = p + "keys", p + "values"
+    nodes += [
+        n("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 3, 2]),                         # (B, Hkv, D, T)
+        n("MatMul", [qg, p + "keys_t"], [p + "raw"]),                                      # (B, Hkv, G*S, T)
+        n("Mul", [p + "raw", p + "scale"], [p + "scores"]),
+        n("Add", [p + "scores", "fused/bias"], [p + "masked"]),
+        n("Softmax", [p + "masked"], [p + "probs"], axis=-1),
+        n("MatMul", [p + "probs", values], [p + "context"]),                               # (B, Hkv, G*S, D)
+    ]
+    return helper.make_graph(nodes, p.rstrip("/"), [], [helper.make_tensor_value_info(p + "context",
+                                                                                       TensorProto.FLOAT, None)])
+
+
+def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str, k_cache: str) -> list:
     """Built once per graph: the attention columns and their additive mask bias (B, 1, G*S, T).
 
-    Each layer attends over the cache's first T = max(past_len) + S slots with row b's S new keys and values
-    written at its own past_len[b] (in the layer's copy, not in the cache): every row sees its cache and its new
-    tokens in the columns it would have alone, so its softmax and P·V sums round as they do when it runs alone
-    (only masked columns follow). Column c is visible to new token i of row b iff c < past_len[b], or
-    c = past_len[b] + j with tree_mask[b, i, j] (as in TreeAttention's body, which puts the new tokens after
-    max(past_len) instead). `fused/slots` (B, Hkv, S, D): where each new entry goes."""
+    Each layer attends over all T slots of the cache (its length as bound) with row b's S new keys and values
+    written at its own past_len[b]: every row sees its cache and its new tokens in the columns it would have alone,
+    so its softmax and P·V sums round as they do when it runs alone (only masked columns follow, each adding an
+    exact zero). Column c is visible to new token i of row b iff c < past_len[b], or c = past_len[b] + j with
+    tree_mask[b, i, j] (as in TreeAttention's body, which puts the new tokens after max(past_len) instead).
+    `fused/slots` (B, Hkv, S, D): where each new entry goes."""
     n = helper.make_node
 
     def c(name, val, dtype=TensorProto.INT64, dims=()):
@@ -352,8 +395,18 @@ def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str) -> li
         n("Slice", ["fused/mask_shape", "fused/i0", "fused/i2", "fused/i0"], ["fused/BS"]),
         n("Slice", ["fused/mask_shape", "fused/i1", "fused/i2", "fused/i0"], ["fused/S1"]),
         n("Squeeze", ["fused/S1", "fused/i0"], ["fused/S"]),
-        n("ReduceMax", [past_len], ["fused/L"], keepdims=0),
-        n("Add", ["fused/L", "fused/S"], ["fused/T"]),
+        # T: all the cache's slots where the cache is at most 3/2 of the window a pass needs (max(past_len) + S
+        # slots), else that window (copied out of the cache, which costs more per slot than reading it)
+        n("Shape", [k_cache], ["fused/L1"], start=2, end=3),
+        n("Squeeze", ["fused/L1", "fused/i0"], ["fused/L"]),
+        n("ReduceMax", [past_len], ["fused/longest"], keepdims=0),
+        n("Add", ["fused/longest", "fused/S"], ["fused/need"]),
+        c("fused/two", 2), c("fused/three", 3),
+        n("Mul", ["fused/L", "fused/two"], ["fused/L2"]),
+        n("Mul", ["fused/need", "fused/three"], ["fused/need3"]),
+        n("Less", ["fused/need3", "fused/L2"], ["fused/wide"]),
+        n("Not", ["fused/wide"], ["fused/whole"]),
+        n("Where", ["fused/whole", "fused/L", "fused/need"], ["fused/T"]),
         n("Unsqueeze", ["fused/T", "fused/i0"], ["fused/T1"]),
         n("Unsqueeze", [past_len, "fused/i1"], ["fused/past_col"]),                # (B, 1)
         # where the new entries go: past_len[b] + j, broadcast over heads and head_dim

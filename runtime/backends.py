@@ -11,7 +11,7 @@ import torch
 
 from specrt.errors import BackendError
 from specrt.kv_cache import KVCache
-from specrt.manifest import logits_width
+from specrt.manifest import WRITTEN, logits_width
 from specrt.tensorrt_backend import TensorRTEngine  # noqa: F401  (the backend of TensorRT engine sets)
 
 
@@ -102,11 +102,19 @@ class OrtEngine:
         self._cache: KVCache | None = None
         self._shapes: dict[tuple[int, int, int], _Shape] = {}   # (B, S, num_logits) -> its binding
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
+        # a fused CPU graph outputs each cache with the pass's new entries scattered in: bound to the cache's own
+        # buffer, ONNX Runtime writes them in place (see specrt.export.fuse)
+        self.writes_cache = f"k_cache_0{WRITTEN}" in {o.name for o in self.session.get_outputs()}
+        # MatMulNBits with int8 activations rounds a lone row (one token, one row) differently from a row of a
+        # larger pass on some CPUs (the M = 1 kernel; every M >= 2 agrees): such passes run as two tokens, the
+        # second a copy whose entry lands in a spare slot, so that a plain step equals a verify pass's row
+        self.pad_single = spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu"
+        self._single: dict[int, tuple] = {}   # num_logits -> the padded pass's inputs and output views
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
         """A cache of `length` slots per row (default and at most the engine's max_seq_len)."""
         s = self.spec
-        length = min(length or s["max_seq_len"], s["max_seq_len"])
+        length = min(length or s["max_seq_len"], s["max_seq_len"]) + self.pad_single   # the spare slot
         cache = KVCache(s["layers"], batch, s["kv_heads"], length, s["head_dim"], self.device, self.dtype)
         self.use_cache(cache)
         return cache
@@ -131,10 +139,15 @@ class OrtEngine:
         cache = self._cache = cache if cache is not None else self._cache
         assert cache is not None, "call new_cache() first"
         B, S = input_ids.shape
+        if self.pad_single and B * S == 1 and not extra:
+            return self._padded(input_ids, position_ids, past_len, num_logits, cache)
         shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
         if shape.cache is None or shape.cache() is not cache:   # the cache's buffers, once per shape and cache
             for i, buf in enumerate(cache.layer_buffers()):
-                bind_tensor(shape.io, "input", f"{'kv'[i % 2]}_cache_{i // 2}", buf, self.device)
+                name = f"{'kv'[i % 2]}_cache_{i // 2}"
+                bind_tensor(shape.io, "input", name, buf, self.device)
+                if self.writes_cache:
+                    bind_tensor(shape.io, "output", name + WRITTEN, buf, self.device)
             shape.cache = weakref.ref(cache)
         num = self._num.get(num_logits)
         if num is None:
@@ -153,6 +166,21 @@ class OrtEngine:
         sync_torch(self.device)
         self.session.run_with_iobinding(shape.io)
         return shape.outputs
+
+    def _padded(self, input_ids, position_ids, past_len, num_logits, cache) -> StepOutput:
+        """A one-token, one-row pass as two tokens: the token again at the same position, seeing only itself, its
+        entry written after the real one (the cache's spare slot at the end). Returns the real token's outputs."""
+        got = self._single.get(num_logits)
+        if got is None:
+            ids, pos = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
+            got = self._single[num_logits] = (ids, pos, torch.eye(2, dtype=torch.bool)[None])
+        ids, pos, mask = got
+        ids[0, :] = input_ids[0, 0]
+        pos[0, :] = position_ids[0, 0]
+        out = self.forward(ids, pos, past_len, mask, 2, cache)
+        return StepOutput(out.logits[:, :num_logits], out.hidden[:, :1], out.new_kv[..., :1, :],
+                          None if out.host is None else (out.host[0][:, :num_logits], out.host[1][..., :1, :],
+                                                         out.host[2][:, :1]))
 
     def _bind_shape(self, B: int, S: int, num_logits: int) -> "_Shape":
         """A binding of its own for a pass shape, its outputs bound to views of the output buffers: passes of

@@ -10,6 +10,9 @@ from specrt.errors import ManifestError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# a fused CPU graph's extra outputs: a cache input's name + this is that cache with the pass's new entries written
+# at each row's past_len (bound to the input's own buffer, the engine writes them in place; see specrt.export.fuse)
+WRITTEN = "_written"
 
 
 def sha256_file(path: Path) -> str:

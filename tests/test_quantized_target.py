@@ -49,6 +49,41 @@ def test_quantized_targets_verify_chains(quantized):
     assert result.exit_code != 0 and "verify chains there" in result.output and weights in result.output
 
 
+def test_a_lone_token_runs_as_a_row_of_a_larger_pass(quantized):
+    """int8 activations: a one-token pass of one row equals that token's row in a verify pass bit for bit (it runs
+    as two tokens: the MatMulNBits kernel for a single row rounds differently on some CPUs), its caches keep a spare
+    slot for the copy, and nothing before the token's own slot changes."""
+    import torch
+    from specrt.drafters import chain_mask
+    _, directory = quantized
+    target = Generator.from_engines(directory).target
+    assert target.pad_single
+    prompt, steps = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5]
+    cache = target.new_cache(1, 20)
+    assert cache.length == 21
+    out = target.forward(torch.tensor([prompt]), torch.arange(8)[None], cache.past_len, chain_mask(1, 8, "cpu"), 1)
+    cache.write(out.new_kv)
+    cache.past_len += 8
+    verify = cache.data.clone()
+    past = cache.data[..., :8, :].clone()
+    rows = []
+    for t in steps:
+        out = target.forward(torch.tensor([[t]]), cache.past_len[:, None].clone(), cache.past_len,
+                             chain_mask(1, 1, "cpu"), 1)
+        assert out.logits.shape[:2] == (1, 1) and out.new_kv.shape[3] == 1
+        rows.append(out.logits[0, 0].clone())
+        cache.write(out.new_kv)
+        cache.past_len += 1
+    assert torch.equal(cache.data[..., :8, :], past)
+    chain = target.new_cache(1, 20)
+    chain.data.copy_(verify)
+    chain.past_len += 8
+    out = target.forward(torch.tensor([steps]), (8 + torch.arange(3))[None], chain.past_len, chain_mask(1, 3, "cpu"),
+                         3, chain)
+    for i, row in enumerate(rows):
+        assert torch.equal(out.logits[0, i], row), i
+
+
 @pytest.mark.parametrize("method,kw", METHODS, ids=["draft", "ngram", "medusa", "draft-tree"])
 def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
     _, directory = quantized

@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from specrt.export.fuse import fuse_graph
+from specrt.manifest import WRITTEN
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 
 
@@ -69,9 +70,46 @@ def test_cache_beyond_past_len_is_ignored(fused):
     session = ort.InferenceSession(op_model(0.5, fused), providers=["CPUExecutionProvider"])
     a = session.run(None, dict(zip(INPUTS, args + [past, mask])))[0]
     args[1][:, :, 5:] = 1e4  # garbage past the valid prefix
-    args[2][:, :, 5:] = np.nan
+    # the fused graph reads every slot of the cache (masked past the prefix: probability 0), so its garbage must be
+    # finite, as the runtime's caches are (zeroed, then written only by the engines); the function reads a copy
+    # of the prefix only
+    args[2][:, :, 5:] = -3e4 if fused else np.nan
     b = session.run(None, dict(zip(INPUTS, args + [past, mask])))[0]
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("length", [9, 32], ids=["whole-cache", "window"])
+def test_fused_attention_writes_the_cache_in_place(length):
+    """Bound to the cache inputs' own buffers, the fused graph's written caches are the inputs themselves: the new
+    keys and values land at each row's past_len (the rest untouched), and the attention is the reference's, both
+    where it reads the whole cache and where it reads a copy of the window the pass needs (a cache over 3/2 of
+    it)."""
+    rng = np.random.default_rng(1)
+    B, H, Hkv, D, S = 2, 4, 2, 8, 3
+    past = np.array([2, 6])
+    r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, length, D), v_cache=r(B, Hkv, length, D),
+                  k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past,
+                  tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
+    want = reference(*inputs.values(), 0.5)
+    k_before, v_before = inputs["k_cache"].copy(), inputs["v_cache"].copy()
+    session = ort.InferenceSession(op_model(0.5, dict(heads=H, kv_heads=Hkv, head_dim=D)),
+                                   providers=["CPUExecutionProvider"])
+    io = session.io_binding()
+    for name, x in inputs.items():
+        io.bind_cpu_input(name, x)
+    io.bind_output("out")
+    for name in ("k_cache", "v_cache"):   # the runtime binds the written caches to the caches' own buffers
+        x = inputs[name]
+        io.bind_output(name + WRITTEN, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+    session.run_with_iobinding(io)
+    np.testing.assert_allclose(io.copy_outputs_to_cpu()[0], want, atol=2e-5, rtol=1e-5)
+    for cache, before, new in ((inputs["k_cache"], k_before, inputs["k_new"]),
+                               (inputs["v_cache"], v_before, inputs["v_new"])):
+        expected = before.copy()
+        for b, p in enumerate(past):
+            expected[b, :, p:p + S] = new[b]
+        np.testing.assert_array_equal(cache, expected)
 
 
 def test_function_attached_once():
