@@ -112,7 +112,8 @@ class OrtEngine:
         self._single: dict[int, tuple] = {}   # num_logits -> the padded pass's inputs and output views
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
-        """A cache of `length` slots per row (default and at most the engine's max_seq_len)."""
+        """A cache of `length` slots per row (default and at most the engine's max_seq_len), and a spare one where
+        one-token passes run as two (`pad_single`)."""
         s = self.spec
         length = min(length or s["max_seq_len"], s["max_seq_len"]) + self.pad_single   # the spare slot
         cache = KVCache(s["layers"], batch, s["kv_heads"], length, s["head_dim"], self.device, self.dtype)

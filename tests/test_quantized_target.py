@@ -64,7 +64,7 @@ def test_a_lone_token_runs_as_a_row_of_a_larger_pass(quantized):
     out = target.forward(torch.tensor([prompt]), torch.arange(8)[None], cache.past_len, chain_mask(1, 8, "cpu"), 1)
     cache.write(out.new_kv)
     cache.past_len += 8
-    verify = cache.data.clone()
+    prefilled = cache.data.clone()
     past = cache.data[..., :8, :].clone()
     rows = []
     for t in steps:
@@ -76,7 +76,7 @@ def test_a_lone_token_runs_as_a_row_of_a_larger_pass(quantized):
         cache.past_len += 1
     assert torch.equal(cache.data[..., :8, :], past)
     chain = target.new_cache(1, 20)
-    chain.data.copy_(verify)
+    chain.data.copy_(prefilled)
     chain.past_len += 8
     out = target.forward(torch.tensor([steps]), (8 + torch.arange(3))[None], chain.past_len, chain_mask(1, 3, "cpu"),
                          3, chain)
