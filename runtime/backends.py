@@ -106,10 +106,12 @@ class OrtEngine:
         # buffer, ONNX Runtime writes them in place (see specrt.export.fuse)
         self.writes_cache = f"k_cache_0{WRITTEN}" in {o.name for o in self.session.get_outputs()}
         # MatMulNBits with int8 activations rounds a lone row (one token, one row) differently from a row of a
-        # larger pass on some CPUs (the M = 1 kernel; every M >= 2 agrees): such passes run as two tokens, the
-        # second a copy whose entry lands in a spare slot, so that a plain step equals a verify pass's row
-        self.pad_single = spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu"
+        # larger pass on some CPUs (the M = 1 kernel; every M >= 2 agrees): there such passes run as two tokens,
+        # the second a copy whose entry lands in a spare slot, so that a plain step equals a verify pass's row
+        self.pad_single = False
         self._single: dict[int, tuple] = {}   # num_logits -> the padded pass's inputs and output views
+        if spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu":
+            self.pad_single = not self._lone_rows_agree()
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
         """A cache of `length` slots per row (default and at most the engine's max_seq_len), and a spare one where
@@ -167,6 +169,24 @@ class OrtEngine:
         sync_torch(self.device)
         self.session.run_with_iobinding(shape.io)
         return shape.outputs
+
+    def _lone_rows_agree(self) -> bool:
+        """Whether a one-token pass gives the logits that the same token gets as the first row of a two-token
+        pass, bit for bit (four passes over a few tokens, at load)."""
+        from specrt.drafters import chain_mask
+        outputs = []
+        for ids in ([3], [3, 5]):
+            cache = self.new_cache(1, 6)
+            out = self.forward(torch.tensor([[1, 2]]), torch.arange(2)[None], cache.past_len, chain_mask(1, 2, "cpu"),
+                               1, cache)
+            cache.write(out.new_kv)
+            cache.past_len += 2
+            S = len(ids)
+            out = self.forward(torch.tensor([ids]), (2 + torch.arange(S))[None], cache.past_len,
+                               chain_mask(1, S, "cpu"), S, cache)
+            outputs.append(out.logits[0, 0].clone())
+        self._cache, self._shapes = None, {}
+        return torch.equal(*outputs)
 
     def _padded(self, input_ids, position_ids, past_len, num_logits, cache) -> StepOutput:
         """A one-token, one-row pass as two tokens: the token again at the same position, seeing only itself, its
