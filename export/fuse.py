@@ -319,6 +319,7 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
     H, Hkv, D = spec["heads"], spec["kv_heads"], spec["head_dim"]
     n = helper.make_node
     shared = None
+    types = {i.name: i.type.tensor_type.elem_type for i in g.g.input}
     for t in [t for t in g.g.node if t.domain == DOMAIN and t.op_type == OP_TYPE]:
         q, k_cache, v_cache, k_new, v_new, past_len, tree_mask = t.input
         if shared is None:
@@ -337,21 +338,22 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
         scale = next(a.f for a in t.attribute if a.name == "scale")
         dead.add(tuple(t.output))
         keys, values = k_cache + WRITTEN, v_cache + WRITTEN   # (B, Hkv, T, D): graph outputs, see the docstring
-        dtype = {i.name: i.type.tensor_type.elem_type for i in g.g.input}.get(k_cache, TensorProto.FLOAT)
+        dtype = types.get(k_cache, TensorProto.FLOAT)
         g.g.output.extend(helper.make_tensor_value_info(name, dtype, None) for name in (keys, values))
         new += [
             n("ScatterElements", [k_cache, "fused/slots", k_new], [keys], axis=2),      # new at past_len
             n("ScatterElements", [v_cache, "fused/slots", v_new], [values], axis=2),
             n("Reshape", [q, "fused/q_groups"], [p + "qg"]),                               # (B, Hkv, G*S, D)
             n("If", ["fused/whole"], [p + "context"],                                      # (B, Hkv, G*S, D)
-              then_branch=_attention(p + "whole/", p + "qg", keys, values, scale),
-              else_branch=_attention(p + "window/", p + "qg", keys, values, scale, window=True)),
+              then_branch=_attention(p + "whole/", p + "qg", keys, values, scale, dtype),
+              else_branch=_attention(p + "window/", p + "qg", keys, values, scale, dtype, window=True)),
             n("Reshape", [p + "context", "fused/heads"], [t.output[0]]),                   # (B, H, S, D)
         ]
         counts["attention"] += 1
 
 
-def _attention(p: str, qg: str, keys: str, values: str, scale: float, window: bool = False) -> onnx.GraphProto:
+def _attention(p: str, qg: str, keys: str, values: str, scale: float, dtype: int,
+               window: bool = False) -> onnx.GraphProto:
     """One branch of a layer's attention over the T columns of `fused/bias`: all of the written cache's slots, or
     (`window`) a copy of its first T."""
     n = helper.make_node
@@ -368,8 +370,7 @@ def _attention(p: str, qg: str, keys: str, values: str, scale: float, window: bo
         n("Softmax", [p + "masked"], [p + "probs"], axis=-1),
         n("MatMul", [p + "probs", values], [p + "context"]),                               # (B, Hkv, G*S, D)
     ]
-    return helper.make_graph(nodes, p.rstrip("/"), [], [helper.make_tensor_value_info(p + "context",
-                                                                                       TensorProto.FLOAT, None)])
+    return helper.make_graph(nodes, p.rstrip("/"), [], [helper.make_tensor_value_info(p + "context", dtype, None)])
 
 
 def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str, k_cache: str) -> list:
