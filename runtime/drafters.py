@@ -220,13 +220,18 @@ class NgramDrafter:
         pass
 
     def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
+        return self.match(context, gamma)[1]
+
+    def match(self, context: np.ndarray, gamma: int) -> tuple[int, np.ndarray]:
+        """The length n of the longest suffix found earlier in the context, and at most gamma tokens that followed
+        its last occurrence (0 and none when nothing matches)."""
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)        # (len-n, n)
             hits = np.flatnonzero((windows == context[-n:]).all(1))
             if len(hits):
                 begin = hits[-1] + n
-                return context[begin:begin + gamma]
-        return context[:0]
+                return n, context[begin:begin + gamma]
+        return 0, context[:0]
 
     def propose(self, run, gamma: int) -> Proposal:
         """Looks up the host mirror of the tokens (no device read); one copy of the proposal to the device."""

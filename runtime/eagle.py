@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from specrt.drafters import PassInputs, Proposal, _arange, chain_mask
+from specrt.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.errors import InputError
 from specrt.sampling import top_k_in_place
 from specrt.tree import Tree
@@ -77,8 +77,10 @@ class EagleDrafter:
     shape, as EAGLE-2 does."""
     name = "eagle"
 
-    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None):
+    def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None,
+                 lookup: bool = True):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
+        self.lookup = PromptLookup() if lookup else None   # prompt lookup's chains among the candidates
         self.tree, self.span = shape.envelope, shape.span
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
@@ -137,6 +139,8 @@ class EagleDrafter:
             feats = run.path_hidden                                                 # (B, D+1, d)
             slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
+        if self.lookup is not None:
+            self.lookup.update(path, n)
         if self._pending is not None:
             before, live, predicted = self._pending
             accepted, forecast = self.calibration
@@ -259,14 +263,20 @@ class EagleDrafter:
             parents = best // k                                                     # (k,) among the last k fed
             feat = out.host_hidden()[:, -k:][:, parents] if host else \
                 out.hidden[:, -k:][:, torch.from_numpy(parents).to(out.hidden.device)].clone()
-        m = _mean_prob(np.concatenate(cand_score, 1)[live])                         # (C,)
+        cand_tok, cand_score = np.concatenate(cand_tok, 1), np.concatenate(cand_score, 1)   # (B, C) each
+        if self.lookup is not None:
+            more = self.lookup.add(run, cand_paths, cand_tok, cand_score, live, depth, self.shape.nodes)
+            cand_tok, cand_score = (np.concatenate(pair, 1) for pair in zip((cand_tok, cand_score), more))
+        m = _mean_prob(cand_score[live])                                            # (C,)
         # most probable first, shallower first among equals (a node's parent is never less probable)
         order = np.lexsort((np.array([len(p) for p in cand_paths]), -m))[:self.shape.nodes]
         n = len(order) if costs is None else _best_size(costs, self.scale * m[order], costs.draft_step * passes)
         chosen = {cand_paths[i]: i for i in order[:n].tolist()}
         tree = tree_of(tuple(sorted(chosen, key=lambda p: (len(p), p))))
+        if self.lookup is not None:
+            self.lookup.offered(tree)
         self._pending = (run.accepted, int(live.sum()), float(m[order[:n]].sum()))
-        return tree, np.concatenate(cand_tok, 1)[:, [chosen[p] for p in tree.paths]]
+        return tree, cand_tok[:, [chosen[p] for p in tree.paths]]
 
     @property
     def scale(self) -> float:
@@ -304,6 +314,102 @@ class EagleDrafter:
 
 
 DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
+
+
+class PromptLookup:
+    """Prompt lookup inside the tree: per row, the tokens that followed the last earlier occurrence of the text's
+    newest n tokens (n from `max_n` down to `min_n`, see NgramDrafter) join the candidates as a chain from the
+    root. Where the chain's next token is already a candidate the chain follows it, else it adds a node (the
+    last sibling, tried after the drafter's). A chain node scores its parent's score times the measured rate at
+    which chain nodes of that n were accepted when their parent was, so the round's usual choice of nodes (the
+    most probable, as many as pay) weighs them against the drafter's. Rows share the tree's shape: a node one
+    row's chain adds holds a filler token with probability 0 in the other rows. Text that repeats its context
+    (summaries, answers quoting a document, code edits) is what the drafter predicts worst and lookup best."""
+    max_n, min_n = 3, 2
+    FILLER = 0   # the token of a node another row's chain added (a proposal like any other: verified, lossless)
+
+    def __init__(self):
+        self.finder = NgramDrafter(self.max_n, self.min_n)
+        self.sums = {n: [1.0, 2.0] for n in range(self.min_n, self.max_n + 1)}   # decayed accepted, offered
+        self._round: dict[int, tuple] = {}   # row -> (n, its chain's node ids in the tree)
+        self._chains: dict[int, tuple] = {}  # row -> (n, its chain's paths), between add and offered
+
+    def rate(self, n: int) -> float:
+        accepted, offered = self.sums[n]
+        return accepted / offered
+
+    def add(self, run, paths: list, tokens: np.ndarray, scores: np.ndarray, live: np.ndarray, depth: int,
+            limit: int):
+        """Merge each live row's chain (at most `depth` tokens) into the candidates (`paths`, and `tokens` and
+        `scores` (B, C)): `paths` gains the new nodes (at most `limit`: a batch's rows could add many), `scores`
+        the chains' scores where higher. Returns the new nodes' tokens and scores, (B, c) each (c may be 0)."""
+        B, self._chains = tokens.shape[0], {}
+        index = {p: i for i, p in enumerate(paths)}
+        kids: dict[tuple, list] = {}
+        for p in paths:
+            kids.setdefault(p[:-1], []).append(p)
+        added: dict[tuple, int] = {}                     # new path -> its column
+        new_tok: list[np.ndarray] = []
+        new_score: list[np.ndarray] = []
+
+        def token(b, p):   # a node another row added holds no token of this row's
+            return tokens[b, index[p]] if p in index else \
+                new_tok[added[p]][b] if np.isfinite(new_score[added[p]][b]) else -1
+
+        for b in np.flatnonzero(live).tolist():
+            n, hit = self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+            if not len(hit):
+                continue
+            step, here, score, chain = np.log(self.rate(n)), (), 0.0, []
+            for t in hit.tolist():
+                found = next((p for p in kids.get(here, ()) if token(b, p) == t), None)
+                score += step
+                if found is None:
+                    if len(added) == limit:   # rows beyond: their chains stop where they would add a node
+                        break
+                    found = here + (max((p[-1] for p in kids.get(here, ())), default=-1) + 1,)
+                    kids.setdefault(here, []).append(found)
+                    paths.append(found)
+                    added[found] = len(new_tok)
+                    new_tok.append(np.full(B, self.FILLER, np.int64))
+                    new_score.append(np.full(B, -np.inf, scores.dtype))
+                    new_tok[-1][b] = t
+                if found in index:
+                    scores[b, index[found]] = score = max(scores[b, index[found]], score)
+                else:
+                    new_score[added[found]][b] = score
+                here = found
+                chain.append(here)
+            if chain:
+                self._chains[b] = (n, chain)
+        shape = (B, len(new_tok))
+        return (np.stack(new_tok, 1) if new_tok else np.zeros(shape, np.int64),
+                np.stack(new_score, 1) if new_score else np.zeros(shape, scores.dtype))
+
+    def offered(self, tree: Tree) -> None:
+        """The round verifies `tree`: each chain's nodes in it (a prefix of the chain: scores fall along it)."""
+        index = {p: i for i, p in enumerate(tree.paths, 1)}
+        self._round = {}
+        for b, (n, chain) in self._chains.items():
+            ids = [index[p] for p in chain if p in index]
+            if ids:
+                self._round[b] = (n, ids)
+
+    def update(self, path, accepted) -> None:
+        """After the verify pass (`path` (B, D+1) the accepted paths' node ids, root first; `accepted` (B,) their
+        counts): a chain's nodes whose parent was accepted count as offered, the accepted ones as accepted."""
+        chains, self._round = self._round, {}
+        if not chains or path is None:
+            return
+        for key in self.sums:
+            self.sums[key] = [DECAY * v for v in self.sums[key]]
+        for b, (n, ids) in chains.items():
+            taken = [int(x) for x in path[b][1:int(accepted[b]) + 1]]
+            k = 0
+            while k < min(len(ids), len(taken)) and ids[k] == taken[k]:
+                k += 1
+            total = self.sums[n]
+            self.sums[n] = [total[0] + k, total[1] + min(len(ids), k + 1)]
 
 
 @functools.lru_cache(maxsize=1024)

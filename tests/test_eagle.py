@@ -186,6 +186,87 @@ def test_eagle_distribution_is_the_target_distribution(eagle_pair, kw):
     assert p > P_MIN
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7)], ids=str)
+def test_lookup_chains_keep_the_target_distribution(eagle_pair, monkeypatch, kw):
+    """Prompt lookup's chains in the trees are proposals like the drafter's: the sibling rule keeps the target's law.
+    The prompt holds every token once and 1-token matches count, so that every row has a chain in every round."""
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=3, depth=3, nodes=8)
+    monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)
+    added = count_lookup_nodes(monkeypatch)
+    prompt = torch.randperm(V, generator=torch.Generator().manual_seed(2)).tolist()
+    out = sample_first3(gen, prompt, "eagle", None, seed=321, **kw)
+    assert added[0] > 1000 and added[1] > 0   # new nodes in many rounds, some of them accepted
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
+    print(f"eagle with lookup {kw}: chi-square p = {p:.4f}, {added[0]} lookup nodes, {added[1]} accepted")
+    assert p > P_MIN
+
+
+def count_lookup_nodes(monkeypatch) -> list[int]:
+    """[nodes of prompt lookup's chains in the verified trees, those the target accepted], counted as it runs."""
+    counts, offered, update = [0, 0], eagle.PromptLookup.offered, eagle.PromptLookup.update
+
+    def counted_offered(self, tree):
+        offered(self, tree)
+        counts[0] += sum(len(ids) for _, ids in self._round.values())
+
+    def counted_update(self, path, accepted):
+        before = {n: v[0] for n, v in self.sums.items()}
+        update(self, path, accepted)
+        counts[1] += round(sum(self.sums[n][0] - eagle.DECAY * before[n] for n in before))
+
+    monkeypatch.setattr(eagle.PromptLookup, "offered", counted_offered)
+    monkeypatch.setattr(eagle.PromptLookup, "update", counted_update)
+    return counts
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["full-trees", "adaptive"])
+def test_lookup_keeps_greedy_output(eagle_pair, monkeypatch, adaptive):
+    """The chains join the trees (one prompt, and a batch of two whose rows share the tree's shape; prompts that
+    hold every token and 1-token matches, so that every round has a chain) and the output stays the target's."""
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=2, depth=4, nodes=8)
+    monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)
+    added = count_lookup_nodes(monkeypatch)
+    prompts = [torch.randperm(V, generator=torch.Generator().manual_seed(s)).tolist() for s in (4, 5)]
+    refs = [gen.generate(prompt_ids=p, max_new_tokens=20).token_ids[0] for p in prompts]
+    for p, ref in zip(prompts, refs):
+        out = gen.generate(prompt_ids=p, max_new_tokens=20, method="eagle", adaptive=adaptive)
+        assert_same_or_tie(out.token_ids[0], ref, p, model)
+    both = gen.generate(prompt_ids=prompts, max_new_tokens=20, method="eagle", adaptive=adaptive)
+    for p, ref, row in zip(prompts, refs, both.token_ids):
+        assert_same_or_tie(row, ref, p, model)
+    print(f"{added[0]} lookup nodes verified, {added[1]} accepted")
+    assert added[0] > 0 and (added[1] > 0 or adaptive)   # full trees verify every chain: some were accepted
+
+
+def test_lookup_chain_follows_the_candidates():
+    """The chain walks the drafter's candidates while its tokens are there (raising their scores to its own where
+    higher), then adds nodes as the last siblings; a row without a match adds nothing, and the other rows get a
+    filler token of probability 0 at the nodes a row added."""
+    from types import SimpleNamespace
+    text = np.array([[1, 2, 3, 4, 9, 1, 7, 1, 2], [5, 6, 5, 7, 5, 6, 5, 6, 5]])
+    run = SimpleNamespace(host_tokens=text, host_lengths=np.array([9, 4]))   # row 1's text: 5 6 5 7, no match
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 1, 0)]
+    tokens = np.array([[3, 5, 7, 4, 3, 8]] * 2)
+    scores = np.log(np.array([[0.6, 0.3, 0.3, 0.05, 0.2, 0.04]] * 2, np.float32))
+    lookup = eagle.PromptLookup()
+    new_tok, new_score = lookup.add(run, paths, tokens, scores, np.array([True, True]), 4, 8)
+    # row 0: "1 2" occurred at the start, followed by 3 4 9 1: along (0,) and (0, 1), then new nodes
+    assert paths[6:] == [(0, 1, 1), (0, 1, 1, 0)]
+    assert new_tok.tolist() == [[9, 1], [eagle.PromptLookup.FILLER] * 2]
+    half = np.log(0.5)   # the rate before any round
+    assert scores[0, 0] == pytest.approx(np.log(0.6)) and scores[0, 3] == pytest.approx(np.log(0.6) + half)
+    assert new_score[0] == pytest.approx(np.log(0.6) + half * np.array([2, 3]))
+    assert np.isneginf(new_score[1]).all() and scores[1, 3] == pytest.approx(np.log(0.05))
+    # the verified tree kept the chain's first three nodes; the target accepted two of them
+    from specrt.tree import Tree
+    tree = Tree.from_paths([(0,), (1,), (0, 1), (0, 1, 1)])
+    lookup.offered(tree)
+    lookup.update([[0, 1, 3, 4]], [2])
+    assert lookup.rate(2) == pytest.approx((eagle.DECAY + 2) / (2 * eagle.DECAY + 3))
+
+
 def test_broken_sibling_rule_is_caught(eagle_pair, monkeypatch):
     """Power: a rejected sibling left in the residual must fail the same test."""
     gen, model, _ = eagle_pair
