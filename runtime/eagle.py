@@ -15,6 +15,8 @@ exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level i
 its ancestors (an expansion node must see them, and they are not in the cache), with its output features fed
 to its children; the expansion passes write nothing to the cache.
 
+Prompt lookup's continuation joins the candidates as a chain (see PromptLookup), weighed like them.
+
 Adaptive rounds (the default) size the tree by the machine's measured costs, the shape being an envelope:
 growth stops where another level cannot pay for its drafter pass, and the round verifies the number of nodes
 with the most expected tokens per second (a node's cumulative probability is the drafter's estimate of the
