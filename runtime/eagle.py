@@ -346,6 +346,11 @@ class PromptLookup:
         `scores` (B, C)): `paths` gains the new nodes (at most `limit`: a batch's rows could add many), `scores`
         the chains' scores where higher. Returns the new nodes' tokens and scores, (B, c) each (c may be 0)."""
         B, self._chains = tokens.shape[0], {}
+        hits = {b: self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+                for b in np.flatnonzero(live).tolist()}
+        hits = {b: hit for b, hit in hits.items() if len(hit[1])}
+        if not hits:   # most rounds of most text: no index to build
+            return np.zeros((B, 0), np.int64), np.zeros((B, 0), scores.dtype)
         index = {p: i for i, p in enumerate(paths)}
         kids: dict[tuple, list] = {}
         for p in paths:
@@ -358,10 +363,7 @@ class PromptLookup:
             return tokens[b, index[p]] if p in index else \
                 new_tok[added[p]][b] if np.isfinite(new_score[added[p]][b]) else -1
 
-        for b in np.flatnonzero(live).tolist():
-            n, hit = self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
-            if not len(hit):
-                continue
+        for b, (n, hit) in hits.items():
             step, here, score, chain = np.log(self.rate(n)), (), 0.0, []
             for t in hit.tolist():
                 found = next((p for p in kids.get(here, ()) if token(b, p) == t), None)
