@@ -183,6 +183,7 @@ class Generator:
         self._batch_costs: dict = {}
         self._last_pool = None
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
+        self._tree_policies: dict[tuple, TreePolicy] = {}    # the same for tree methods
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
@@ -614,7 +615,10 @@ class Batch:
             last = gen._gamma_policies.get((method, params.greedy))
             self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
                 gen.costs(), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
-        self.trees = TreePolicy() if self.tree is not None and adaptive else None
+        self.trees = None
+        if self.tree is not None and adaptive:   # trees or plain steps: from what the last request measured
+            last = gen._tree_policies.get((method, params.greedy))
+            self.trees = gen._tree_policies[(method, params.greedy)] = last.following() if last else TreePolicy()
         self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
