@@ -15,7 +15,9 @@ exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level i
 its ancestors (an expansion node must see them, and they are not in the cache), with its output features fed
 to its children; the expansion passes write nothing to the cache.
 
-Prompt lookup's continuation joins the candidates as a chain (see PromptLookup), weighed like them.
+Prompt lookup's continuation joins the candidates as a chain (see PromptLookup), weighed like them; where the
+target verifies chains only (int8 activations), it takes the place of the drafter's chain in the rows where it
+promises more accepted tokens.
 
 Adaptive rounds (the default) size the tree by the machine's measured costs, the shape being an envelope:
 growth stops where another level cannot pay for its drafter pass, and the round verifies the number of nodes
@@ -80,9 +82,10 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None,
-                 lookup: bool = True):
+                 lookup: bool = True, chains: bool = False):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
         self.lookup = PromptLookup() if lookup else None   # prompt lookup's chains among the candidates
+        self.chains = chains   # a chain per round (shape top_k 1): a row's lookup chain replaces the drafter's
         self.tree, self.span = shape.envelope, shape.span
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
@@ -267,7 +270,9 @@ class EagleDrafter:
                 out.hidden[:, -k:][:, torch.from_numpy(parents).to(out.hidden.device)].clone()
         cand_tok, cand_score = np.concatenate(cand_tok, 1), np.concatenate(cand_score, 1)   # (B, C) each
         if self.lookup is not None:
-            more = self.lookup.add(run, cand_paths, cand_tok, cand_score, live, depth, self.shape.nodes)
+            merge = self.lookup.replace if self.chains else self.lookup.add
+            more = merge(run, cand_paths, cand_tok, cand_score, live, depth, self.scale if self.chains else
+                         self.shape.nodes)
             cand_tok, cand_score = (np.concatenate(pair, 1) for pair in zip((cand_tok, cand_score), more))
         m = _mean_prob(cand_score[live])                                            # (C,)
         # most probable first, shallower first among equals (a node's parent is never less probable)
@@ -389,6 +394,37 @@ class PromptLookup:
         shape = (B, len(new_tok))
         return (np.stack(new_tok, 1) if new_tok else np.zeros(shape, np.int64),
                 np.stack(new_score, 1) if new_score else np.zeros(shape, scores.dtype))
+
+    def replace(self, run, paths: list, tokens: np.ndarray, scores: np.ndarray, live: np.ndarray, depth: int,
+                scale: float):
+        """Chains only (`paths` the chain (0,), (0, 0), ...): a live row's chain (at most `depth` tokens) takes the
+        place of the drafter's where it promises more accepted tokens (Σ of its nodes' scores as probabilities,
+        the drafter's scaled by `scale`, see EagleDrafter.scale). The row's nodes past its chain get the filler
+        token with score −inf. `paths` gains the depths past the drafter's chain; returns their tokens and
+        scores (B, c), as `add`."""
+        B, self._chains = tokens.shape[0], {}
+        extra = []
+        for b in np.flatnonzero(live).tolist():
+            n, hit = self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+            if not len(hit):
+                continue
+            chain = np.log(self.rate(n)) * np.arange(1, len(hit) + 1)
+            if np.exp(chain).sum() <= scale * np.exp(scores[b].astype(np.float64)).sum():
+                continue   # the drafter's chain is the better bet
+            while len(paths) < len(hit):
+                paths.append((0,) * (len(paths) + 1))
+                extra.append((np.full(B, self.FILLER, np.int64), np.full(B, -np.inf, scores.dtype)))
+            C = tokens.shape[1]
+            for j, (t, lp) in enumerate(zip(hit.tolist(), chain.tolist())):
+                column = (tokens[:, j], scores[:, j]) if j < C else extra[j - C]
+                column[0][b], column[1][b] = t, lp
+            tokens[b, len(hit):], scores[b, len(hit):] = self.FILLER, -np.inf
+            for t, lp in extra[max(0, len(hit) - C):]:
+                t[b], lp[b] = self.FILLER, -np.inf
+            self._chains[b] = (n, paths[:len(hit)])
+        shape = (B, len(extra))
+        return (np.stack([t for t, _ in extra], 1) if extra else np.zeros(shape, np.int64),
+                np.stack([lp for _, lp in extra], 1) if extra else np.zeros(shape, scores.dtype))
 
     def offered(self, tree: Tree) -> None:
         """The round verifies `tree`: each chain's nodes in it (a prefix of the chain: scores fall along it)."""

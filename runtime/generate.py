@@ -399,7 +399,7 @@ class Generator:
             if self.chains_only:
                 shape = DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth)
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
-            return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, lookup=not self.chains_only)
+            return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)

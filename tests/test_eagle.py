@@ -267,6 +267,33 @@ def test_lookup_chain_follows_the_candidates():
     assert lookup.rate(2) == pytest.approx((eagle.DECAY + 2) / (2 * eagle.DECAY + 3))
 
 
+def test_lookup_chain_replaces_the_drafters_where_it_promises_more():
+    """Chains only (targets with int8 activations): a row's lookup chain takes the place of the drafter's chain
+    where its expected accepted length is larger, its nodes past the chain a filler of probability 0; the chain
+    may run deeper than the drafter's (the other rows' nodes there are fillers); else the row keeps the drafter's."""
+    from types import SimpleNamespace
+    text = np.array([[1, 2, 3, 4, 9, 1, 7, 1, 2], [5, 6, 1, 5, 6, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0, 0, 0]])
+    run = SimpleNamespace(host_tokens=text, host_lengths=np.array([9, 5, 2]))   # row 2: no match
+    paths = [(0,), (0, 0)]
+    tokens = np.array([[3, 5], [7, 8], [4, 4]])
+    scores = np.log(np.array([[0.1, 0.05], [0.95, 0.9], [0.1, 0.05]], np.float32))
+    lookup = eagle.PromptLookup()
+    lookup.sums[2] = [3.0, 4.0]   # chains of 2-token matches: 3/4 accepted so far
+    new_tok, new_score = lookup.replace(run, paths, tokens, scores, np.array([True, True, True]), 3, 1.0)
+    # row 0: "1 2" occurred at the start, followed by 3 4 9: 0.75 + 0.56 + 0.42 beats 0.1 + 0.05
+    assert paths == [(0,), (0, 0), (0, 0, 0)]
+    assert tokens[0].tolist() + new_tok[0].tolist() == [3, 4, 9]
+    assert scores[0].tolist() + new_score[0].tolist() == pytest.approx(np.log(0.75) * np.arange(1, 4))
+    # row 1: "5 6" was followed by 1 5 6 (0.75 + 0.56 + 0.42 = 1.73), but the drafter promises 0.95 + 0.9 at scale 1
+    assert tokens[1].tolist() == [7, 8] and scores[1].tolist() == pytest.approx(np.log([0.95, 0.9]))
+    assert new_tok[1:, 0].tolist() == [eagle.PromptLookup.FILLER] * 2 and np.isneginf(new_score[1:]).all()
+    assert list(lookup._chains) == [0]
+    # at a scale that says the drafter's probabilities overstate its acceptance, row 1 takes its chain too
+    paths = [(0,), (0, 0)]
+    lookup.replace(run, paths, tokens, scores, np.array([True, True, True]), 2, 0.5)
+    assert tokens[1].tolist() == [1, 5] and list(lookup._chains) == [0, 1]
+
+
 def test_broken_sibling_rule_is_caught(eagle_pair, monkeypatch):
     """Power: a rejected sibling left in the residual must fail the same test."""
     gen, model, _ = eagle_pair

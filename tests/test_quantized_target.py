@@ -3,6 +3,7 @@ target's own greedy output, the manifest says what was built, and a GGUF source 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -222,6 +223,27 @@ def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
             assert out.token_ids[0] == ref, f"{method} {kw} on {prompt[:40]!r}"
             if method in ("medusa", "eagle"):
                 assert out.stats["tree_size"] == out.stats["tree_depth"]   # a chain
+
+
+@pytest.mark.slow
+def test_smollm2_int4_eagle_with_lookup_chains_keeps_its_own_greedy_output(smollm2_int4, monkeypatch):
+    """Chains only: prompt lookup's chain replaces the drafter's in the rows where it promises more (text that
+    quotes its prompt), and the output stays the engine's own."""
+    from specrt import eagle
+    chosen, offered = [0], eagle.PromptLookup.offered
+
+    def counted(self, tree):
+        offered(self, tree)
+        chosen[0] += sum(len(ids) for _, ids in self._round.values())
+
+    monkeypatch.setattr(eagle.PromptLookup, "offered", counted)
+    gen = Generator.from_engines(smollm2_int4)
+    rows = (Path(__file__).parents[1] / "runtime" / "data" / "quote_prompts.jsonl").read_text().splitlines()
+    for prompt in [json.loads(r)["prompt"] for r in rows[:2]]:
+        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        out = gen.generate(prompt, max_new_tokens=48, method="eagle")
+        assert out.token_ids[0] == ref and out.stats["tree_size"] == out.stats["tree_depth"]
+    assert chosen[0] > 0
 
 
 @pytest.mark.slow
