@@ -92,6 +92,7 @@ class EagleDrafter:
         self.kept, self.narrow = output_ids, output_ids is not None
         self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
+        self.promise = [0.0, 0.0]         # decayed sums: the drafter's rounds' expected drafts (scaled), rounds
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
 
     pool = None   # the cache's rows for the whole batch, made at the first join
@@ -155,8 +156,12 @@ class EagleDrafter:
     def propose(self, run, gamma: int) -> Proposal:
         self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
         host = self._host_history is not None and (run.params.greedy or run.params.plain)
-        logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
-        tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
+        quick = self._lookup_only(run, min(self.shape.depth, gamma))
+        if quick is not None:
+            tree, tokens = quick
+        else:
+            logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
+            tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
         nodes = torch.from_numpy(tokens).to(run.device)
         return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree,
                         host=(tokens, None) if host else None)
@@ -283,7 +288,35 @@ class EagleDrafter:
         if self.lookup is not None:
             self.lookup.offered(tree)
         self._pending = (run.accepted, int(live.sum()), float(m[order[:n]].sum()))
+        self.promise = [DECAY * self.promise[0] + self.scale * self._pending[2], DECAY * self.promise[1] + 1]
         return tree, cand_tok[:, [chosen[p] for p in tree.paths]]
+
+    def _lookup_only(self, run, depth: int) -> tuple[Tree, np.ndarray] | None:
+        """A round without the drafter: where every live row's lookup chain promises at least the drafts that the
+        drafter's rounds have been expected to give of late, the round verifies those chains alone (as many nodes
+        as pay, with adaptive rounds), and skips the drafter's passes (its cache catches up in a later round, as
+        after plain steps). -> (the chain, its tokens (B, n)), else None."""
+        if self.lookup is None or not self.promise[1]:
+            return None
+        live = run.active if run.active.any() else np.ones(run.batch, bool)
+        hits = {b: self.lookup.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+                for b in np.flatnonzero(live).tolist()}
+        if not all(len(hit) for _, hit in hits.values()):
+            return None
+        probs = {b: self.lookup.rate(n) ** np.arange(1, len(hit) + 1) for b, (n, hit) in hits.items()}
+        if min(p.sum() for p in probs.values()) < self.promise[0] / self.promise[1]:
+            return None
+        L = max(len(hit) for _, hit in hits.values())
+        tokens = np.full((run.batch, L), PromptLookup.FILLER, np.int64)
+        p = np.zeros((run.batch, L))
+        for b, (_, hit) in hits.items():
+            tokens[b, :len(hit)], p[b, :len(hit)] = hit, probs[b]
+        costs = self.costs(len(hits)) if self.costs is not None else None
+        L = L if costs is None else _best_size(costs, p[live].mean(0), 0.0)
+        tree = tree_of(tuple((0,) * j for j in range(1, L + 1)))
+        self.lookup.chains_of({b: (n, tree.paths[:len(hit)]) for b, (n, hit) in hits.items()}, tree)
+        self._pending = None
+        return tree, tokens[:, :L].copy()
 
     @property
     def scale(self) -> float:
@@ -425,6 +458,11 @@ class PromptLookup:
         shape = (B, len(extra))
         return (np.stack([t for t, _ in extra], 1) if extra else np.zeros(shape, np.int64),
                 np.stack([lp for _, lp in extra], 1) if extra else np.zeros(shape, scores.dtype))
+
+    def chains_of(self, chains: dict, tree: Tree) -> None:
+        """A round of chains alone (EagleDrafter._lookup_only): row -> (n, its chain's paths), then `offered`."""
+        self._chains = chains
+        self.offered(tree)
 
     def offered(self, tree: Tree) -> None:
         """The round verifies `tree`: each chain's nodes in it (a prefix of the chain: scores fall along it)."""

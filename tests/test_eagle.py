@@ -90,16 +90,27 @@ def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     assert accepted > 0 or shape["top_k"] == 1   # accepted paths (and their cache compaction) ran
 
 
-@pytest.mark.parametrize("plain_every", [0, 2, 3, "moved"], ids=["trees", "plain-every-2", "plain-every-3",
-                                                             "moved-row"])
-def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, plain_every):
+@pytest.mark.parametrize("plain_every", [0, 2, 3, "moved", "alone"], ids=["trees", "plain-every-2",
+                                                                       "plain-every-3", "moved-row", "chains-alone"])
+def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, plain_every):
     """The cache invariant: slot t holds what the drafter computes from the target's feature at position t
     and token t + 1 (checked against the eager drafter over the target's features of the final sequence),
-    also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds, and
-    for a request that joined a running batch and moved to a freed row when the one before it finished."""
+    also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds, for a
+    request that joined a running batch and moved to a freed row when the one before it finished, and when
+    rounds of lookup chains alone (no drafter pass) come between the drafter's."""
     gen, model, tmp = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
     prompt = [3, 9, 1, 4, 1]
+    alone = count_lookup_nodes(monkeypatch)
+    if plain_every != "alone":   # every tree round is the drafter's
+        monkeypatch.setattr(EagleDrafter, "_lookup_only", lambda self, run, depth: None)
+    else:                        # every other round, where the text allows, chains alone
+        flip, real = iter(range(1000)), EagleDrafter._lookup_only
+        monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)
+        monkeypatch.setattr(EagleDrafter, "_lookup_only",
+                            lambda self, run, depth: real(self, run, depth) if next(flip) % 2 else None)
+        monkeypatch.setattr(eagle.PromptLookup, "rate", lambda self, n: 0.99)
+        plain_every, prompt = 0, [3, 9, 1, 4, 1, 3, 9, 1]
     if plain_every == "moved":
         batch = gen.batch(2, method="eagle", adaptive=False)
         batch.add([5, 2, 8], 4, owner="first")
@@ -122,7 +133,8 @@ def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, plain_every
         drafter, new, rounds = seen[0], out.token_ids[0], out.stats["rounds"]
     tokens = torch.tensor([prompt + new])
     P = int(drafter.pool.past_len[0])
-    assert rounds >= 2 and P >= len(prompt) + rounds - 1
+    assert rounds >= 2 and P >= len(prompt) + rounds - 1 - alone[2]   # the drafter's rounds caught up
+    assert (alone[2] > 0) == (request.node.callspec.id == "chains-alone")
     eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
     with torch.no_grad():
         feats = model.model(tokens).last_hidden_state                               # (1, n, d) after the norm
@@ -186,25 +198,44 @@ def test_eagle_distribution_is_the_target_distribution(eagle_pair, kw):
     assert p > P_MIN
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7)], ids=str)
-def test_lookup_chains_keep_the_target_distribution(eagle_pair, monkeypatch, kw):
+@pytest.mark.parametrize("kw,alone", [(dict(temperature=1.0), False), (dict(temperature=0.7), False),
+                                      (dict(temperature=1.0), True)], ids=["T=1", "T=0.7", "T=1-chains-alone"])
+def test_lookup_chains_keep_the_target_distribution(eagle_pair, monkeypatch, kw, alone):
     """Prompt lookup's chains in the trees are proposals like the drafter's: the sibling rule keeps the target's law.
-    The prompt holds every token once and 1-token matches count, so that every row has a chain in every round."""
+    The prompt holds every token once and 1-token matches count, so that every row has a chain in every round.
+    `alone`: chains measured as nearly always accepted, so that rounds verify them alone, without the drafter."""
     gen, model, _ = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
     monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)
+    if alone:   # and the drafter's rounds promise little from the first round on
+        monkeypatch.setattr(eagle.PromptLookup, "rate", lambda self, n: 0.95)
+        init = eagle.EagleDrafter.__init__
+
+        def modest(self, *args, **kw):
+            init(self, *args, **kw)
+            self.promise = [0.5, 1.0]
+        monkeypatch.setattr(eagle.EagleDrafter, "__init__", modest)
     added = count_lookup_nodes(monkeypatch)
     prompt = torch.randperm(V, generator=torch.Generator().manual_seed(2)).tolist()
     out = sample_first3(gen, prompt, "eagle", None, seed=321, **kw)
     assert added[0] > 1000 and added[1] > 0   # new nodes in many rounds, some of them accepted
+    assert (added[2] > 0) == alone            # rounds of chains alone (a batch of every sample's rows)
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
-    print(f"eagle with lookup {kw}: chi-square p = {p:.4f}, {added[0]} lookup nodes, {added[1]} accepted")
+    print(f"eagle with lookup {kw}: chi-square p = {p:.4f}, {added[0]} lookup nodes, {added[1]} accepted, "
+          f"{added[2]} rounds of chains alone")
     assert p > P_MIN
 
 
 def count_lookup_nodes(monkeypatch) -> list[int]:
-    """[nodes of prompt lookup's chains in the verified trees, those the target accepted], counted as it runs."""
-    counts, offered, update = [0, 0], eagle.PromptLookup.offered, eagle.PromptLookup.update
+    """[nodes of prompt lookup's chains in the verified trees, those the target accepted, rounds of chains alone
+    (no drafter pass)], counted as it runs."""
+    counts, offered, update = [0, 0, 0], eagle.PromptLookup.offered, eagle.PromptLookup.update
+    alone = eagle.EagleDrafter._lookup_only
+
+    def counted_alone(self, run, depth):
+        got = alone(self, run, depth)
+        counts[2] += got is not None
+        return got
 
     def counted_offered(self, tree):
         offered(self, tree)
@@ -217,6 +248,7 @@ def count_lookup_nodes(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(eagle.PromptLookup, "offered", counted_offered)
     monkeypatch.setattr(eagle.PromptLookup, "update", counted_update)
+    monkeypatch.setattr(eagle.EagleDrafter, "_lookup_only", counted_alone)
     return counts
 
 
@@ -236,8 +268,9 @@ def test_lookup_keeps_greedy_output(eagle_pair, monkeypatch, adaptive):
     both = gen.generate(prompt_ids=prompts, max_new_tokens=20, method="eagle", adaptive=adaptive)
     for p, ref, row in zip(prompts, refs, both.token_ids):
         assert_same_or_tie(row, ref, p, model)
-    print(f"{added[0]} lookup nodes verified, {added[1]} accepted")
+    print(f"{added[0]} lookup nodes verified, {added[1]} accepted, {added[2]} rounds of chains alone")
     assert added[0] > 0 and (added[1] > 0 or adaptive)   # full trees verify every chain: some were accepted
+    assert added[2] > 0 or adaptive   # and some rounds verified chains alone (adaptive rounds: as timings say)
 
 
 def test_lookup_chain_follows_the_candidates():
