@@ -119,15 +119,16 @@ class TreePolicy:
     (up to 8 × `probe_every`), back to `probe_every` once trees pay again. A round's first pass of a new shape
     pays one-time costs: the first tree round is not timed.
 
-    A request starts from the last one's figures (`following`), each worth at most `memory` rounds: the first rounds
-    of an answer are no guide to the rest (from nothing, 3 warm-up rounds of one token each sent whole answers to
-    plain steps, on prompts where trees paid 1.2–1.5×)."""
+    A request starts from the last one's figures (`following`), each worth at most `memory` rounds, and still warms
+    up: its first rounds are judged together with what came before, not alone (from nothing, 3 warm-up rounds of one
+    token each sent whole answers to plain steps, on prompts where trees then paid 1.2–1.5×), while its own rounds
+    soon outweigh a figure that a slow spell of the last request dragged down (carried over whole, such a figure
+    kept one bench run's EAGLE in plain steps for 98 % of its rounds)."""
     warmup: int = 3
     probe_every: int = 8
     decay: float = 0.97
     margin: float = 0.95
-    memory: float = 8.0
-    seeded: bool = False       # the figures came from the last request (`following`): no warm-up
+    memory: float = 4.0
     tree_rounds: int = 0
     plain_rounds: int = 0
     idle: int = 0
@@ -135,12 +136,10 @@ class TreePolicy:
     sums: dict = field(default_factory=lambda: {"tokens": [0.0, 0.0], "tree": [0.0, 0.0], "plain": [0.0, 0.0]})
 
     def following(self) -> "TreePolicy":
-        """The next request's policy: this one's figures, each worth at most `memory` rounds, past its warm-up
-        where it has timed both kinds of round."""
+        """The next request's policy: this one's figures, each worth at most `memory` rounds."""
         sums = {k: [t * min(1.0, self.memory / w), min(w, self.memory)] if w else [t, w]
                 for k, (t, w) in self.sums.items()}
-        return TreePolicy(self.warmup, self.probe_every, self.decay, self.margin, self.memory, sums=sums,
-                          seeded=all(w for _, w in sums.values()))
+        return TreePolicy(self.warmup, self.probe_every, self.decay, self.margin, self.memory, sums=sums)
 
     def mean(self, name: str) -> float:
         """The decayed mean (Σ decay^age · x) / (Σ decay^age): no bias toward the first rounds."""
@@ -153,9 +152,9 @@ class TreePolicy:
 
     def choose(self) -> bool:
         """True: grow a tree this round; False: a plain step."""
-        if not self.seeded and self.tree_rounds <= max(1, self.warmup):
+        if self.tree_rounds <= max(1, self.warmup):
             return True
-        if not self.seeded and self.plain_rounds == 0:
+        if self.plain_rounds == 0:
             return False
         gain = self.mean("tokens") / self.mean("tree") * self.mean("plain")      # tree rate / plain rate
         if gain >= (self.margin if self.idle == 0 else 1.0):

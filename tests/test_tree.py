@@ -165,26 +165,26 @@ def test_tree_policy_falls_back_when_trees_do_not_pay_and_keeps_probing():
 
 
 def test_tree_policy_starts_a_request_from_the_last_ones_figures():
-    paid = TreePolicy()
-    for _ in range(40):   # trees: 3 tokens in 2 ms; plain steps: 1 token in 1 ms
-        tree = paid.choose()
-        paid.update(tree, 3.0 if tree else 1.0, 0.002 if tree else 0.001)
+    def run(policy, tree_tokens, rounds):   # trees: `tree_tokens` in 2 ms; plain steps: 1 token in 1 ms
+        picks = []
+        for _ in range(rounds):
+            picks.append(policy.choose())
+            policy.update(picks[-1], tree_tokens if picks[-1] else 1.0, 0.002 if picks[-1] else 0.001)
+        return picks
+
+    paid, lost = TreePolicy(), TreePolicy()
+    run(paid, 3.0, 40)
+    run(lost, 1.2, 40)
     nxt = paid.following()
-    assert nxt.seeded and nxt.tree_rounds == nxt.plain_rounds == 0                  # the request's own counts
+    assert nxt.tree_rounds == nxt.plain_rounds == 0                                 # the request's own counts
     assert all(w <= nxt.memory for _, w in nxt.sums.values())                       # worth at most `memory` rounds
     assert nxt.mean("tokens") == pytest.approx(paid.mean("tokens"))
-    # no warm-up: the first rounds of the next answer (one token each here) do not send it to plain steps at once
-    picks = []
-    for _ in range(5):
-        picks.append(nxt.choose())
-        nxt.update(picks[-1], 1.0, 0.002)
-    assert picks == [True] * 5
-    lost = TreePolicy()
-    for _ in range(40):   # trees: 1.2 tokens in 2 ms
-        tree = lost.choose()
-        lost.update(tree, 1.2 if tree else 1.0, 0.002 if tree else 0.001)
-    assert lost.following().choose() is False                                       # plain from its first round
-    assert not TreePolicy().following().seeded                                      # nothing measured: a warm-up
+    # the next answer's warm-up rounds give one token each: judged with what came before, trees go on; alone,
+    # the same rounds send the request to plain steps
+    assert run(nxt, 1.0, 6) == [True] * 4 + [False, True]
+    assert run(TreePolicy(), 1.0, 6) == [True] * 4 + [False, False]
+    # after a request where trees lost, the next one still warms up, and its own good rounds soon outweigh the past
+    assert run(lost.following(), 3.0, 6) == [True] * 4 + [False, True]
 
 
 def test_automatic_tree_is_saved_and_used(medusa_set):
