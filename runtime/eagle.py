@@ -156,12 +156,14 @@ class EagleDrafter:
     def propose(self, run, gamma: int) -> Proposal:
         self.batch, self.cache = run.batch, self.pool.prefix(run.batch)
         host = self._host_history is not None and (run.params.greedy or run.params.plain)
-        quick = self._lookup_only(run, min(self.shape.depth, gamma))
+        depth, live = min(self.shape.depth, gamma), run.active if run.active.any() else np.ones(run.batch, bool)
+        hits = self.lookup.matches(run, live, depth) if self.lookup is not None else None   # once a round
+        quick = self._lookup_only(run, live, hits)
         if quick is not None:
             tree, tokens = quick
         else:
             logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
-            tree, tokens = self._grow(run, logits, feature, min(self.shape.depth, gamma))
+            tree, tokens = self._grow(run, logits, feature, depth, hits)
         nodes = torch.from_numpy(tokens).to(run.device)
         return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree,
                         host=(tokens, None) if host else None)
@@ -243,9 +245,10 @@ class EagleDrafter:
             lp[r] = np.asarray(values) - lse
         return lp.reshape(*logits.shape[:-1], k), ids.reshape(*logits.shape[:-1], k)
 
-    def _grow(self, run, logits, feature, depth: int) -> tuple[Tree, np.ndarray]:
+    def _grow(self, run, logits, feature, depth: int, hits: dict | None = None) -> tuple[Tree, np.ndarray]:
         """EAGLE-2 expansion from the root's logits (B, V) and feature (B, d) -> the tree, node tokens (B, N).
-        numpy arrays (the CPU's host path: the expansions' inputs filled in place) or device tensors."""
+        numpy arrays (the CPU's host path: the expansions' inputs filled in place) or device tensors. `hits`: the
+        live rows' lookup matches (PromptLookup.matches), when already found this round."""
         k, B, host = self.shape.top_k, run.batch, isinstance(feature, np.ndarray)
         live = run.active if run.active.any() else np.ones(B, bool)
         costs = self.costs(int(live.sum())) if self.costs is not None else None
@@ -277,7 +280,7 @@ class EagleDrafter:
         if self.lookup is not None:
             merge = self.lookup.replace if self.chains else self.lookup.add
             more = merge(run, cand_paths, cand_tok, cand_score, live, depth, self.scale if self.chains else
-                         self.shape.nodes)
+                         self.shape.nodes, hits=hits)
             cand_tok, cand_score = (np.concatenate(pair, 1) for pair in zip((cand_tok, cand_score), more))
         m = _mean_prob(cand_score[live])                                            # (C,)
         # most probable first, shallower first among equals (a node's parent is never less probable)
@@ -291,16 +294,14 @@ class EagleDrafter:
         self.promise = [DECAY * self.promise[0] + self.scale * self._pending[2], DECAY * self.promise[1] + 1]
         return tree, cand_tok[:, [chosen[p] for p in tree.paths]]
 
-    def _lookup_only(self, run, depth: int) -> tuple[Tree, np.ndarray] | None:
-        """A round without the drafter: where every live row's lookup chain promises at least the drafts that the
-        drafter's rounds have been expected to give of late, the round verifies those chains alone (as many nodes
-        as pay, with adaptive rounds), and skips the drafter's passes (its cache catches up in a later round, as
-        after plain steps). -> (the chain, its tokens (B, n)), else None."""
-        if self.lookup is None or not self.promise[1]:
+    def _lookup_only(self, run, live: np.ndarray, hits: dict | None) -> tuple[Tree, np.ndarray] | None:
+        """A round without the drafter: where every live row's lookup chain (`hits`, PromptLookup.matches)
+        promises at least the drafts that the drafter's rounds have been expected to give of late, the round
+        verifies those chains alone (as many nodes as pay, with adaptive rounds), and skips the drafter's passes
+        (its cache catches up in a later round, as after plain steps). -> (the chain, its tokens (B, n)), else
+        None."""
+        if hits is None or not self.promise[1]:
             return None
-        live = run.active if run.active.any() else np.ones(run.batch, bool)
-        hits = {b: self.lookup.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
-                for b in np.flatnonzero(live).tolist()}
         if not all(len(hit) for _, hit in hits.values()):
             return None
         probs = {b: self.lookup.rate(n) ** np.arange(1, len(hit) + 1) for b, (n, hit) in hits.items()}
@@ -378,14 +379,19 @@ class PromptLookup:
         accepted, offered = self.sums[n]
         return accepted / offered
 
+    def matches(self, run, live: np.ndarray, depth: int) -> dict[int, tuple[int, np.ndarray]]:
+        """Each live row's match: the suffix length n and at most `depth` tokens that followed (none: no match)."""
+        return {b: self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+                for b in np.flatnonzero(live).tolist()}
+
     def add(self, run, paths: list, tokens: np.ndarray, scores: np.ndarray, live: np.ndarray, depth: int,
-            limit: int):
+            limit: int, hits: dict | None = None):
         """Merge each live row's chain (at most `depth` tokens) into the candidates (`paths`, and `tokens` and
         `scores` (B, C)): `paths` gains the new nodes (at most `limit`: a batch's rows could add many), `scores`
-        the chains' scores where higher. Returns the new nodes' tokens and scores, (B, c) each (c may be 0)."""
+        the chains' scores where higher. Returns the new nodes' tokens and scores, (B, c) each (c may be 0).
+        `hits`: the rows' matches if found already (`matches`)."""
         B, self._chains = tokens.shape[0], {}
-        hits = {b: self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
-                for b in np.flatnonzero(live).tolist()}
+        hits = self.matches(run, live, depth) if hits is None else hits
         hits = {b: hit for b, hit in hits.items() if len(hit[1])}
         if not hits:   # most rounds of most text: no index to build
             return np.zeros((B, 0), np.int64), np.zeros((B, 0), scores.dtype)
@@ -429,16 +435,15 @@ class PromptLookup:
                 np.stack(new_score, 1) if new_score else np.zeros(shape, scores.dtype))
 
     def replace(self, run, paths: list, tokens: np.ndarray, scores: np.ndarray, live: np.ndarray, depth: int,
-                scale: float):
+                scale: float, hits: dict | None = None):
         """Chains only (`paths` the chain (0,), (0, 0), ...): a live row's chain (at most `depth` tokens) takes the
         place of the drafter's where it promises more accepted tokens (Σ of its nodes' scores as probabilities,
         the drafter's scaled by `scale`, see EagleDrafter.scale). The row's nodes past its chain get the filler
         token with score −inf. `paths` gains the depths past the drafter's chain; returns their tokens and
-        scores (B, c), as `add`."""
+        scores (B, c), as `add` (`hits` too)."""
         B, self._chains = tokens.shape[0], {}
         extra = []
-        for b in np.flatnonzero(live).tolist():
-            n, hit = self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
+        for b, (n, hit) in (self.matches(run, live, depth) if hits is None else hits).items():
             if not len(hit):
                 continue
             chain = np.log(self.rate(n)) * np.arange(1, len(hit) + 1)

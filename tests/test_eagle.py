@@ -103,12 +103,12 @@ def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, pl
     prompt = [3, 9, 1, 4, 1]
     alone = count_lookup_nodes(monkeypatch)
     if plain_every != "alone":   # every tree round is the drafter's
-        monkeypatch.setattr(EagleDrafter, "_lookup_only", lambda self, run, depth: None)
+        monkeypatch.setattr(EagleDrafter, "_lookup_only", lambda self, *args: None)
     else:                        # every other round, where the text allows, chains alone
         flip, real = iter(range(1000)), EagleDrafter._lookup_only
         monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)
         monkeypatch.setattr(EagleDrafter, "_lookup_only",
-                            lambda self, run, depth: real(self, run, depth) if next(flip) % 2 else None)
+                            lambda self, *args: real(self, *args) if next(flip) % 2 else None)
         monkeypatch.setattr(eagle.PromptLookup, "rate", lambda self, n: 0.99)
         plain_every, prompt = 0, [3, 9, 1, 4, 1, 3, 9, 1]
     if plain_every == "moved":
@@ -232,8 +232,8 @@ def count_lookup_nodes(monkeypatch) -> list[int]:
     counts, offered, update = [0, 0, 0], eagle.PromptLookup.offered, eagle.PromptLookup.update
     alone = eagle.EagleDrafter._lookup_only
 
-    def counted_alone(self, run, depth):
-        got = alone(self, run, depth)
+    def counted_alone(self, *args):
+        got = alone(self, *args)
         counts[2] += got is not None
         return got
 
