@@ -7,8 +7,8 @@ from pathlib import Path
 
 from specrt.adaptive import Costs, expected_tokens
 
-COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "α", "c", "predicted", "tokens/round", "tree", "plain",
-           "host ms", "peak MB"]
+COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "per prompt", "α", "c", "predicted", "tokens/round", "tree",
+           "plain", "host ms", "peak MB"]
 SYSTEM_ORDER = {"specrt": 0, "transformers": 1, "llama.cpp": 2}
 MB = 1e6
 
@@ -77,8 +77,16 @@ def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, floa
         })
     base = {r["temperature"]: r["tokens_per_s"] for r in rows
             if r["system"] == "specrt" and r["method"] == "autoregressive"}
+    # each prompt's speedup against autoregressive on that prompt (run back to back): their range shows how much
+    # of a row's speedup the prompts (and the machine's noise) move
+    per_prompt = {(r["temperature"], r["prompt"]): r["tokens_per_s"] for r in runs
+                  if r["system"] == "specrt" and r["method"] == "autoregressive" and "prompt" in r}
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["temperature"]] if r["temperature"] in base else None
+        ratios = [x["tokens_per_s"] / per_prompt[(x["temperature"], x["prompt"])]
+                  for x in groups[(r["system"], r["method"], r["temperature"])]
+                  if (x["temperature"], x.get("prompt")) in per_prompt]
+        r["speedup_range"] = [min(ratios), max(ratios)] if ratios else None
     return rows
 
 
@@ -147,7 +155,8 @@ def table_rows(summary: list[dict]) -> list[list[str]]:
     rows = sorted(summary, key=lambda r: (r["temperature"], _order(r["system"]), r["method"] != "autoregressive",
                                           r["method"]))
     return [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["tokens_per_s"], ".1f"),
-             _f(r["speedup"]), _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
+             _f(r["speedup"]), "–" if not r.get("speedup_range") else "{:.2f}–{:.2f}".format(*r["speedup_range"]),
+             _f(r["alpha"]), _f(r["c"], ".3f"), _f(r["predicted_speedup"]),
              _f(r["mean_tokens_per_round"]), _f(r.get("tree_size"), ".0f"), _f(r.get("plain_share"), ".0%"),
              _f(r.get("host_ms_per_round")), _f(r.get("peak_memory_mb"), ".0f")]
             for r in rows]
@@ -161,7 +170,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def terminal_table(summary: list[dict]):
     from rich.table import Table
     table = Table(title="specrt bench (speedup: against specrt autoregressive at the same temperature)")
-    shown = [i for i, c in enumerate(COLUMNS) if c != "host ms"]   # the report has it; a terminal lacks the width
+    shown = [i for i, c in enumerate(COLUMNS) if c not in ("host ms", "per prompt")]   # the report has them; a
+    # terminal lacks the width
     for i in shown:
         table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("system", "method") else "right")
     for row in table_rows(summary):
@@ -191,6 +201,8 @@ def report_markdown(results: dict) -> str:
         f"{_f(info.get('load_average_end'), '.1f')} at the end.", "",
         markdown_table(COLUMNS, table_rows(results["summary"])), "",
         "Speedup: tokens/s over specrt autoregressive tokens/s at the same temperature, same prompts, this run. "
+        "Per prompt: the lowest and highest of the prompts' own speedups (each prompt's tokens/s over autoregressive's "
+        "on that prompt, run back to back): how far the prompts and the machine's noise move a row. "
         "α: accepted / proposed drafts (mean over prompts). c: draft step / target step (eagle: one drafter pass over "
         "a tree level / target step). Predicted: "
         "E[N]·t(1) / (γ·t_draft + t(γ+1)) from measured α, mean γ and measured pass times (chains only). "

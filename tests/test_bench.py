@@ -54,12 +54,18 @@ def test_bench_results_are_consistent(engines, tmp_path):
         assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["time_s"])
 
     base = {s["temperature"]: s for s in r["summary"] if s["system"] == "specrt" and s["method"] == "autoregressive"}
+    assert all(b["speedup_range"] == [1.0, 1.0] for b in base.values())
+    assert "| per prompt |" in (out / "report.md").read_text()
     for s in r["summary"]:
         runs = [x for x in r["runs"] if (x["system"], x["method"], x["temperature"]) ==
                 (s["system"], s["method"], s["temperature"])]
         assert s["tokens"] == sum(x["tokens"] for x in runs)
         assert s["time_s"] == pytest.approx(sum(x["time_s"] for x in runs))
         assert s["speedup"] == pytest.approx(s["tokens_per_s"] / base[s["temperature"]]["tokens_per_s"])
+        ar = {x["prompt"]: x["tokens_per_s"] for x in r["runs"] if (x["system"], x["method"], x["temperature"]) ==
+              ("specrt", "autoregressive", s["temperature"])}
+        ratios = [x["tokens_per_s"] / ar[x["prompt"]] for x in runs]   # each prompt against its own baseline
+        assert s["speedup_range"] == pytest.approx([min(ratios), max(ratios)])
         if s["system"] == "specrt":      # the loop's own time per round, below each run's wall time per round
             assert 0 < s["host_ms_per_round"] == pytest.approx(
                 1e3 * sum(x["loop_time_s"] for x in runs) / sum(x["rounds"] for x in runs))
