@@ -170,8 +170,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def terminal_table(summary: list[dict]):
     from rich.table import Table
     table = Table(title="specrt bench (speedup: against specrt autoregressive at the same temperature)")
-    shown = [i for i, c in enumerate(COLUMNS) if c not in ("host ms", "per prompt")]   # the report has them; a
-    # terminal lacks the width
+    # the report has host ms and per prompt; a terminal lacks the width
+    shown = [i for i, c in enumerate(COLUMNS) if c not in ("host ms", "per prompt")]
     for i in shown:
         table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("system", "method") else "right")
     for row in table_rows(summary):
