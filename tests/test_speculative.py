@@ -100,6 +100,17 @@ def test_next_request_expects_the_acceptance_the_last_one_measured(pair):
     assert batch.policy.alpha == pytest.approx(measured)
 
 
+def test_prompt_lookup_is_not_charged_the_draft_models_step(pair):
+    """Adaptive γ weighs a round's tokens against its cost: the draft model's rounds pay its steps, prompt
+    lookup's (a host search) none, at every batch size; both pay the same target passes."""
+    gen, _ = pair
+    draft, ngram = gen.batch(2, method="draft"), gen.batch(2, method="ngram")
+    assert draft.policy.costs.draft_step == gen.costs().draft_step > 0
+    assert ngram.policy.costs.draft_step == 0 and ngram.policy.costs.verify == gen.costs().verify
+    assert ngram._chain_costs(2).draft_step == 0 < draft._chain_costs(2).draft_step == gen.costs(2).draft_step
+    stats = gen.generate(prompt_ids=[1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=8, method="ngram").stats
+    assert stats["cost_ratio_c"] == 0.0
+
 def test_ngram_greedy_equals_target_greedy(pair):
     gen, model = pair
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
