@@ -242,7 +242,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
 def _cost_entry(gen) -> dict:
     costs = gen.costs()
     entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
-    if gen.eagle is not None:   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
+    if gen.has("eagle"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
         from specrt.eagle import DynamicTree
         entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step
     return entry
@@ -326,13 +326,13 @@ def _runnable(gen, method: str, notes: list[str]) -> bool:
     from specrt.generate import METHODS
     if method not in METHODS and method not in TREE_METHODS:
         raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
-    if TREE_METHODS.get(method, method) == "draft" and gen.draft is None:
+    if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
         notes.append(f"{method} skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
         return False
-    if method == "medusa" and gen.medusa is None:
+    if method == "medusa" and not gen.has("medusa"):
         notes.append(f"medusa skipped: {gen.directory} has no Medusa heads (export with --medusa PATH)")
         return False
-    if method == "eagle" and gen.eagle is None:
+    if method == "eagle" and not gen.has("eagle"):
         notes.append(f"eagle skipped: {gen.directory} has no EAGLE drafter (export with --eagle PATH)")
         return False
     return True

@@ -282,7 +282,7 @@ def tune_tree(engines, method, max_nodes, width, device):
     from specrt.generate import Generator
     try:
         gen = Generator.from_engines(engines, device=device)
-        if getattr(gen, method) is None:
+        if not gen.has(method):
             raise SpecrtError(f"{engines} has no {method} model to calibrate; export it first")
         if gen.chains_only:
             raise SpecrtError(f"{engines}'s target computes with int8 activations (--target-weights "

@@ -1,6 +1,7 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -174,16 +175,35 @@ class _Run:
 class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
-    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None):
+    def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None,
+                 loaders: dict[str, Callable] | None = None):
+        """`draft`, `medusa`, `eagle`: the drafters' engines (None: the set has none), or in `loaders` functions
+        that load them, called when a request first needs one: a process that decodes with one method holds
+        only its engines (the int4 set's drafters take 350 MB resident, more than its target)."""
         self.directory, self.manifest = directory, manifest
-        self.target, self.draft, self.medusa, self.tokenizer = target, draft, medusa, tokenizer
-        self.eagle = eagle
+        self.target, self.tokenizer = target, tokenizer
+        self._drafters = {role: e for role, e in (("draft", draft), ("medusa", medusa), ("eagle", eagle))
+                          if e is not None}
+        self._loaders = dict(loaders or {})
         self.eagle_ids = None   # the vocabulary ids of the EAGLE drafter's logit columns, if only its kept ones
         self.engine_time = 0.0
         self._batch_costs: dict = {}
         self._last_pool = None
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
         self._tree_policies: dict[tuple, TreePolicy] = {}    # the same for tree methods
+
+    def has(self, role: str) -> bool:
+        """Whether the engine set has the drafter `role` ("draft", "medusa" or "eagle"), loaded or not."""
+        return role in self._drafters or role in self._loaders
+
+    def _drafter_engine(self, role: str):
+        if role in self._loaders:
+            self._drafters[role] = self._loaders.pop(role)()
+        return self._drafters.get(role)
+
+    draft = property(lambda self: self._drafter_engine("draft"), doc="The draft model's engine (loaded on use).")
+    medusa = property(lambda self: self._drafter_engine("medusa"), doc="The Medusa heads (loaded on use).")
+    eagle = property(lambda self: self._drafter_engine("eagle"), doc="The EAGLE drafter's engine (loaded on use).")
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
@@ -203,19 +223,16 @@ class Generator:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
             path = check_file(directory, spec["engine"], f"{role} engine")
             role_threads = threads if role == "target" else drafter_threads
-            if role == "medusa":
-                engines[role] = OrtHeads(path, spec, device=device, threads=role_threads)
-                continue
-            backend = engine_class(spec["engine"])
-            engines[role] = backend(path, spec, device=device, threads=role_threads)
+            backend = OrtHeads if role == "medusa" else engine_class(spec["engine"])
+            engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads)
         tokenizer = None
         if manifest.get("tokenizer"):
             for entry in manifest["tokenizer"]:
                 check_file(directory, entry, "tokenizer")
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-        gen = cls(directory, manifest, engines["target"], engines.get("draft"), tokenizer, engines.get("medusa"),
-                  engines.get("eagle"))
+        target = engines.pop("target")()
+        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines)
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
@@ -334,11 +351,11 @@ class Generator:
     def _check_request(self, method: str, gamma) -> None:
         if method not in METHODS:
             raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
-        if method == "draft" and self.draft is None:
+        if method == "draft" and not self.has("draft"):
             raise InputError(f"--method draft: {self.directory} has no draft model; export with --draft SOURCE")
-        if method == "medusa" and self.medusa is None:
+        if method == "medusa" and not self.has("medusa"):
             raise InputError(f"--method medusa: {self.directory} has no Medusa heads; export with --medusa PATH")
-        if method == "eagle" and self.eagle is None:
+        if method == "eagle" and not self.has("eagle"):
             raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter; export with --eagle PATH")
         if gamma is not None and not 1 <= gamma <= 64:
             raise InputError(f"gamma {gamma}: must be between 1 and 64")
@@ -364,7 +381,8 @@ class Generator:
     @property
     def max_len(self) -> int:
         """The longest sequence (prompt and new tokens) that every engine of the set holds."""
-        return min(s.spec["max_seq_len"] for s in (self.target, self.draft) if s is not None)
+        models = self.manifest["models"]
+        return min(models[role]["max_seq_len"] for role in ("target", "draft") if role in models)
 
     def _pool(self, capacity: int, length: int):
         """The target's cache for a batch: the last one made when the size repeats (a server's batches, a bench's
@@ -537,21 +555,23 @@ class Generator:
         return accepted, proposed
 
     # ---- costs --------------------------------------------------------------------------------------------
-    def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1) -> Costs:
-        """Time a draft step and target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch
-        size, ~1 s for one row; for several rows two passes, with a line through them); `upto` (a tree's size)
-        adds passes over a few more sizes up to it."""
+    def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1, draft: bool = True) -> Costs:
+        """Time target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch size, ~1 s for one
+        row; for several rows two passes, with a line through them) and, with `draft` where the set has a draft
+        model, its step (else `draft_step` stays 0: the caller does not need it, and the model is not loaded for
+        it); `upto` (a tree's size) adds passes over a few more sizes up to it."""
         saved = self.engine_time
+        context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
         if batch not in self._batch_costs:
-            context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
-            draft = self.draft.time_pass(context, 1) if self.draft is not None else 0.0
             if batch == 1:
                 verify = self._pass_times(context, range(1, MAX_GAMMA + 2), batch)
             else:
                 one, most = self._pass_times(context, (1, MAX_GAMMA + 1), batch).values()
                 verify = {k: one + (most - one) * (k - 1) / MAX_GAMMA for k in range(1, MAX_GAMMA + 2)}
-            self._batch_costs[batch] = Costs(draft, verify)
+            self._batch_costs[batch] = Costs(0.0, verify)
         costs = self._batch_costs[batch]
+        if draft and self.has("draft") and not costs.draft_step:
+            costs.draft_step = self.draft.time_pass(context, 1)
         upto = min(upto, self.target.spec["max_seq_len"])
         more = sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto})
         if more:
@@ -574,7 +594,7 @@ class Generator:
         (`draft_step`, the cost of a tree level), timed once per batch size."""
         key = ("eagle", batch, shape)
         if key not in self._batch_costs:
-            verify = self.costs(batch, upto=shape.nodes + 1).verify
+            verify = self.costs(batch, upto=shape.nodes + 1, draft=False).verify
             saved = self.engine_time
             k, spec = 2 * shape.top_k, self.eagle.spec
             level = self.eagle.time_pass(min(64, spec["max_seq_len"] - k), k, batch=batch,
@@ -746,7 +766,7 @@ class Batch:
         """What a chain round costs with n rows live: the target's passes and, for the draft model, its step;
         prompt lookup drafts on the host in microseconds (charged the draft model's step, 5 % of a target pass on
         float32 and 15 % on int4, its mean γ came out 0.3–0.65 lower and its decoding 1–3 % slower)."""
-        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH))
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=self.method == "draft")
         return costs if self.method == "draft" else Costs(0.0, costs.verify)
 
     def _tree_pays(self, n: int) -> bool:
@@ -754,7 +774,7 @@ class Batch:
         tokens per tree round measured so far (2 before any), against the pass times measured at that size."""
         if n == 1:
             return True
-        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH))
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=False)
         tokens = self.trees.mean("tokens") if self.trees.tree_rounds > 1 else 2.0
         return tokens * costs.pass_time(1) >= costs.pass_time(self.tree.size)
 

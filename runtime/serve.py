@@ -276,7 +276,7 @@ class Server:
 
     def __init__(self, gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8):
         self.gen, self.model_name = gen, model_name
-        self.methods = [m for m in METHODS if m in ("autoregressive", "ngram") or getattr(gen, m) is not None]
+        self.methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
         if max_batch < 1:

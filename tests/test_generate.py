@@ -141,3 +141,16 @@ def test_cli_stream(tiny_engines):
     assert "7 tokens" in streamed.stderr
     refused = subprocess.run(base + ["--stream", "--json"], capture_output=True, text=True)
     assert refused.returncode == 2 and "--stream prints one sequence" in refused.stderr
+
+
+def test_drafters_load_when_a_request_needs_them(default_engines):
+    """A process holds the engines of the methods it ran: the set's drafters load at their first request."""
+    gen = Generator.from_engines(default_engines)
+    loaded = lambda: set(gen._drafters)   # noqa: E731
+    assert all(gen.has(role) for role in ("draft", "medusa", "eagle")) and loaded() == set()
+    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8).token_ids
+    assert gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="ngram").token_ids == ref
+    assert loaded() == set()
+    assert gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="eagle").token_ids == ref
+    assert loaded() == {"eagle"}
+    assert gen.costs().draft_step > 0 and loaded() == {"eagle", "draft"}   # the bench's c: the draft's step
