@@ -235,3 +235,53 @@ def zp_values(zp: np.ndarray, kind: str, n_blocks: int) -> np.ndarray:
         return np.full((1, n_blocks), 128, np.float32)
     z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)
     return z[:, :n_blocks].astype(np.float32)
+
+
+def exact_block_gathers(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, each Gather of a constant float32 table (V, d) whose every block of 32 along d is
+    exactly q * s (q int8 in [-127, 127], s = the block's largest magnitude / 127) as GatherBlockQuantized over
+    those blocks, which gives back the very same float32 values at a quarter of the bytes. A table dequantized
+    from GGUF Q8_0 blocks is such a table (the drafters' copies of the default target's embedding, 108 MB each
+    in float32); a trained one is not, and stays as it was. Returns how many Gathers were rewritten."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    ranks = {}
+    for v in list(onnx.shape_inference.infer_shapes(model).graph.value_info) + list(graph.input):
+        if v.type.tensor_type.HasField("shape"):
+            ranks[v.name] = len(v.type.tensor_type.shape.dim)
+    new_nodes, done = [], 0
+    for node in graph.node:
+        table = inits.get(node.input[0]) if node.op_type == "Gather" else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        rank = ranks.get(node.input[1]) if table is not None else None
+        if rank is None or axis != 0 or table.data_type != onnx.TensorProto.FLOAT or len(table.dims) != 2 \
+                or table.dims[1] % BLOCK:
+            new_nodes.append(node)
+            continue
+        w = numpy_helper.to_array(table)
+        blocks = w.reshape(w.shape[0], -1, BLOCK)                                     # (V, nb, 32)
+        scale = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        q = np.rint(np.divide(blocks, scale, out=np.zeros_like(blocks), where=scale > 0))
+        if not np.array_equal(q.astype(np.float32) * scale, blocks) or np.abs(q).max() > 127:
+            new_nodes.append(node)
+            continue
+        p, y = node.input[0], node.output[0]
+        graph.initializer.extend([
+            numpy_helper.from_array((q + 128).astype(np.uint8), f"{p}_blocks"),      # default zero point 128
+            numpy_helper.from_array(scale, f"{p}_block_scales"),
+            numpy_helper.from_array(np.array([0] * rank + [w.shape[1]], np.int64), f"{p}_row_shape")])
+        new_nodes += [helper.make_node("GatherBlockQuantized", [f"{p}_blocks", node.input[1], f"{p}_block_scales"],
+                                       [f"{y}_blocks"], name=node.name, domain=MS, gather_axis=0, quantize_axis=2,
+                                       block_size=BLOCK, bits=8),
+                      helper.make_node("Reshape", [f"{y}_blocks", f"{p}_row_shape"], [y])]
+        done += 1
+    if done:
+        graph.ClearField("node")
+        graph.node.extend(new_nodes)
+        used = {i for n in graph.node for i in n.input}
+        kept = [i for i in graph.initializer if i.name in used]
+        graph.ClearField("initializer")
+        graph.initializer.extend(kept)
+        if not any(o.domain == MS for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS, 1))
+    return done

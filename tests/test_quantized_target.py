@@ -257,3 +257,43 @@ def test_smollm2_int4_batch_rows_equal_their_lone_runs(smollm2_int4):
     lone = [gen.generate(p, max_new_tokens=32).token_ids[0] for p in prompts]
     for method in ("autoregressive", "draft"):
         assert gen.generate(prompts, max_new_tokens=32, method=method).token_ids == lone, method
+
+
+@pytest.mark.parametrize("index_shape", [(7,), (2, 5)])
+def test_exact_block_gathers_give_the_same_values(index_shape):
+    """A Gather of a table that int8 blocks hold exactly (as a GGUF Q8_0 embedding dequantized to float32)
+    becomes GatherBlockQuantized and gives bit-identical rows through ONNX Runtime; one value off the blocks'
+    grid keeps the table as it was."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from specrt.export.quantize import exact_block_gathers
+    rng = np.random.default_rng(0)
+    V, d = 50, 64
+    q = rng.integers(-127, 128, (V, d // 32, 32))
+    q[..., 0] = 127 * rng.choice([-1, 1], (V, d // 32))         # Q8_0: each block reaches ±127 (d = amax / 127)
+    scale = rng.uniform(1e-3, 1e-1, (V, d // 32, 1)).astype(np.float16).astype(np.float32)
+    table = (q * scale).astype(np.float32).reshape(V, d)
+    table[3] = 0.0                                              # a block of zeros: scale 0
+
+    def model(w):
+        node = helper.make_node("Gather", ["W", "ids"], ["Y"], axis=0)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64,
+                                                                              list(index_shape))],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                                  [numpy_helper.from_array(w, "W")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    ids = rng.integers(0, V, index_shape)
+    ids.flat[0] = 3
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"ids": ids})[0]
+    exact = model(table)
+    assert exact_block_gathers(exact) == 1
+    assert [n.op_type for n in exact.graph.node] == ["GatherBlockQuantized", "Reshape"]
+    assert sum(i.raw_data.__len__() for i in exact.graph.initializer) < table.nbytes / 3
+    out = run(exact)
+    assert out.shape == index_shape + (d,) and np.array_equal(out, table[ids])
+    off = table.copy()
+    off[5, 7] = np.nextafter(off[5, 7], np.float32(1))
+    kept = model(off)
+    assert exact_block_gathers(kept) == 0 and [n.op_type for n in kept.graph.node] == ["Gather"]
