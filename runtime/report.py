@@ -268,10 +268,10 @@ def _memory_section(results: dict) -> list[str]:
             f"Each method and peer once more, in a fresh process of its own, on the same {memory[0]['prompts']} prompts "
             f"at temperature {_f(memory[0]['temperature'], 'g')}: the process imports its code (Python, torch, "
             "ONNX Runtime and transformers for all; transformers' model class and generation code for the "
-            "transformers rows, llama-cpp-python for llama.cpp), loads only that system (specrt: the whole "
-            "engine set, every engine of the manifest; transformers: the float32 target, with the draft for assisted "
+            "transformers rows, llama-cpp-python for llama.cpp), loads only that system (specrt: the target; "
+            "the method's drafter loads at its first request; transformers: the float32 target, with the draft for assisted "
             "generation; llama.cpp: the memory-mapped GGUF file and its context, KV cache included), then generates "
-            "(specrt makes its static KV cache at the first request). The resident set's high-water mark is reset after loading (Linux clear_refs), so load-time "
+            "(specrt makes its static KV cache and loads the drafter at the first request). The resident set's high-water mark is reset after loading (Linux clear_refs), so load-time "
             "transients are not counted, what loading left resident is. Peak MB in the table above = peak while "
             "generating − size after imports. Host memory only (not a GPU's).", "",
             markdown_table(["system", "method", "after imports MB", "after loading MB", "peak MB (RSS)",

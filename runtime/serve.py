@@ -195,7 +195,7 @@ class Scheduler:
             sizes = range(1, min(self.capacity, MAX_MEASURED_BATCH) + 1)
             log.info("timing target passes at batch sizes 1 to %d (speculation follows them)", sizes[-1])
             for n in sizes:
-                self.gen.costs(n)
+                self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
             with self.ready:
                 while not self.closing and not self.waiting and not self.live:
