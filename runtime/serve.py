@@ -282,6 +282,8 @@ class Server:
         if max_batch < 1:
             raise InputError(f"max batch {max_batch}: must be at least 1")
         self.method = method
+        if gen.has(method):   # the default method's drafter now (its load errors too), the others at first use
+            getattr(gen, method)
         self.max_len = gen.max_len
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
         self.scheduler = Scheduler(gen, max_batch, measure=method != "autoregressive")
