@@ -49,8 +49,6 @@ def quantize_int8(graph: Path, out: Path) -> int:
 
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from specrt.export.quantize import exact_block_gathers
     nodes = onnx.load(str(graph), load_external_data=False).graph.node
     keep = [n.name for n in nodes if n.op_type == "MatMul" and "down_proj" in n.name]
     root = logging.getLogger()
@@ -62,7 +60,15 @@ def quantize_int8(graph: Path, out: Path) -> int:
                          extra_options={"MatMulConstBOnly": True})
     finally:
         root.setLevel(level)
-    model = onnx.load(str(out))
+    return exact_gathers_file(out, out)
+
+
+def exact_gathers_file(graph: Path, out: Path) -> int:
+    """`exact_block_gathers` on a graph file, written to `out` where it rewrote any Gather; returns how many."""
+    import onnx
+
+    from specrt.export.quantize import exact_block_gathers
+    model = onnx.load(str(graph))
     gathers = exact_block_gathers(model)
     if gathers:
         onnx.save(model, str(out))
@@ -170,6 +176,9 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
                 if quantize_int8(graph, quantized):
                     extra["embedding"] = "int8 blocks (exact)"
                 source, weights = quantized, "int8"
+            elif role == "target" and exact_gathers_file(graph, quantized):   # the GGUF file's Q8_0 embedding
+                extra["embedding"] = "int8 blocks (exact)"
+                source = quantized
             if role in FUSED_ROLES and fuse:
                 extra["fused"] = fuse_file(source, fused, spec)
                 source = fused
