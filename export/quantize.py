@@ -122,10 +122,7 @@ def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter
         if node.op_type == "Gather":   # rows of blocks: (V, n_blocks, 32) gathered, then (B, S, d)
             new_inits += [numpy_helper.from_array(scales[..., None], f"{p}_row_scales"),
                           numpy_helper.from_array(np.array([0, 0, n_blocks * BLOCK], np.int64), f"{p}_row_shape")]
-            new_nodes += [helper.make_node("GatherBlockQuantized", [f"{p}_B", node.input[1], f"{p}_row_scales"],
-                                           [f"{y}_blocks"], name=node.name, domain=MS, gather_axis=0,
-                                           quantize_axis=2, block_size=BLOCK, bits=8),
-                          helper.make_node("Reshape", [f"{y}_blocks", f"{p}_row_shape"], [y])]
+            new_nodes += _block_gather(node, f"{p}_B", f"{p}_row_scales", f"{p}_row_shape")
             continue
         inputs = [x, f"{p}_B", f"{p}_scales"] + ([f"{p}_zero_points"] if kind != "Q8_0" else [])
         out = f"{y}_nbits" if m is not None else y
@@ -145,16 +142,31 @@ def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter
             new_nodes += [helper.make_node("MatMul", [block_sums[x], f"{p}_offsets"], [f"{y}_offsets"],
                                            name=f"{node.name}_offsets"),                    # (B, S, N)
                           helper.make_node("Add", [out, f"{y}_offsets"], [y])]
-    graph.ClearField("node")
-    graph.node.extend(new_nodes)
     graph.initializer.extend(new_inits)
+    _set_nodes(model, new_nodes)
+    return counts, added
+
+
+def _block_gather(node: onnx.NodeProto, blocks: str, scales: str, shape: str) -> list[onnx.NodeProto]:
+    """`node`, a Gather of table rows, as GatherBlockQuantized of the rows' 8-bit blocks (V, n_blocks, 32) with
+    their scales (V, n_blocks, 1) and the default zero point 128, reshaped to the Gather's output (`shape`)."""
+    y = node.output[0]
+    return [helper.make_node("GatherBlockQuantized", [blocks, node.input[1], scales], [f"{y}_blocks"],
+                             name=node.name, domain=MS, gather_axis=0, quantize_axis=2, block_size=BLOCK, bits=8),
+            helper.make_node("Reshape", [f"{y}_blocks", shape], [y])]
+
+
+def _set_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
+    """The graph's nodes become `nodes`; initializers that no node reads any more go; com.microsoft is declared."""
+    graph = model.graph
+    graph.ClearField("node")
+    graph.node.extend(nodes)
     used = {i for n in graph.node for i in n.input}
     kept = [i for i in graph.initializer if i.name in used]
     graph.ClearField("initializer")
     graph.initializer.extend(kept)
     if not any(o.domain == MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS, 1))
-    return counts, added
 
 
 def _module(node_name: str) -> str:
@@ -265,23 +277,13 @@ def exact_block_gathers(model: onnx.ModelProto) -> int:
         if not np.array_equal(q.astype(np.float32) * scale, blocks) or np.abs(q).max() > 127:
             new_nodes.append(node)
             continue
-        p, y = node.input[0], node.output[0]
+        p = node.input[0]
         graph.initializer.extend([
             numpy_helper.from_array((q + 128).astype(np.uint8), f"{p}_blocks"),      # default zero point 128
             numpy_helper.from_array(scale, f"{p}_block_scales"),
             numpy_helper.from_array(np.array([0] * rank + [w.shape[1]], np.int64), f"{p}_row_shape")])
-        new_nodes += [helper.make_node("GatherBlockQuantized", [f"{p}_blocks", node.input[1], f"{p}_block_scales"],
-                                       [f"{y}_blocks"], name=node.name, domain=MS, gather_axis=0, quantize_axis=2,
-                                       block_size=BLOCK, bits=8),
-                      helper.make_node("Reshape", [f"{y}_blocks", f"{p}_row_shape"], [y])]
+        new_nodes += _block_gather(node, f"{p}_blocks", f"{p}_block_scales", f"{p}_row_shape")
         done += 1
     if done:
-        graph.ClearField("node")
-        graph.node.extend(new_nodes)
-        used = {i for n in graph.node for i in n.input}
-        kept = [i for i in graph.initializer if i.name in used]
-        graph.ClearField("initializer")
-        graph.initializer.extend(kept)
-        if not any(o.domain == MS for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS, 1))
+        _set_nodes(model, new_nodes)
     return done
