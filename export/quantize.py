@@ -147,6 +147,12 @@ def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter
     return counts, added
 
 
+def _ranks(*values) -> dict[str, int]:
+    """Tensor name -> rank, for the value infos (graph inputs, inferred shapes) whose shape is known."""
+    return {v.name: len(v.type.tensor_type.shape.dim) for vs in values for v in vs
+            if v.type.tensor_type.HasField("shape")}
+
+
 def _block_gather(node: onnx.NodeProto, blocks: str, scales: str, shape: str) -> list[onnx.NodeProto]:
     """`node`, a Gather of table rows, as GatherBlockQuantized of the rows' 8-bit blocks (V, n_blocks, 32) with
     their scales (V, n_blocks, 1) and the default zero point 128, reshaped to the Gather's output (`shape`)."""
@@ -257,14 +263,14 @@ def exact_block_gathers(model: onnx.ModelProto) -> int:
     in float32); a trained one is not, and stays as it was. Returns how many Gathers were rewritten."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    ranks = {}
-    for v in list(onnx.shape_inference.infer_shapes(model).graph.value_info) + list(graph.input):
-        if v.type.tensor_type.HasField("shape"):
-            ranks[v.name] = len(v.type.tensor_type.shape.dim)
-    new_nodes, done = [], 0
+    ranks = _ranks(graph.input, graph.value_info)
+    new_nodes, done, inferred = [], 0, False
     for node in graph.node:
         table = inits.get(node.input[0]) if node.op_type == "Gather" else None
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if table is not None and node.input[1] not in ranks and not inferred:   # indices computed in the graph
+            ranks.update(_ranks(onnx.shape_inference.infer_shapes(model).graph.value_info))
+            inferred = True
         rank = ranks.get(node.input[1]) if table is not None else None
         if rank is None or axis != 0 or table.data_type != onnx.TensorProto.FLOAT or len(table.dims) != 2 \
                 or table.dims[1] % BLOCK:
