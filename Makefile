@@ -12,7 +12,7 @@ MEDUSA ?= export/drafters/smollm2-135m-medusa
 EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle gpu-check
+.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle eagle-traces gpu-check
 .DELETE_ON_ERROR:
 
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make gpu-check  on an NVIDIA GPU with the gpu extra installed: CUDA vs CPU, every method, pass times"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
+	@echo "make eagle-traces  record the EAGLE drafter's acceptance that gpu-check projects its speedup from"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +98,13 @@ train-medusa: train-data
 train-eagle: train-data
 	$(TRAIN).train_eagle --data $(DISTILL)/data.jsonl --work build/eagle-train --out $(EAGLE) \
 	    --vocab export/drafters/$(DRAFT) --max-minutes 120 --feature-minutes 120
+
+# The EAGLE drafter's acceptance traces, next to its weights (specrt.projection; gpu-check projects EAGLE's speedup
+# on a device from them and the device's measured costs): full trees every round of the engine set's tree shape,
+# the 80 MT-Bench dev prompts x 96 tokens, T = 0 and 0.7, about 2 minutes each on 2 cores. Rerun after train-eagle.
+eagle-traces: engines
+	$(PY) -m specrt.projection $(ENGINES) --out $(EAGLE)/rounds_t0.json.gz
+	$(PY) -m specrt.projection $(ENGINES) --temperature 0.7 --out $(EAGLE)/rounds_t07.json.gz
 
 clean:
 	rm -rf $(VENV) engines/default

@@ -94,6 +94,8 @@ class EagleDrafter:
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self.promise = [0.0, 0.0]         # decayed sums: the drafter's rounds' expected drafts (scaled), rounds
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
+        self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.projection)
+        self._traced = None               # (kind, the round's paths, their scores) until observe
 
     pool = None   # the cache's rows for the whole batch, made at the first join
 
@@ -147,6 +149,9 @@ class EagleDrafter:
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self.lookup is not None:
             self.lookup.update(path, n)
+        if self.trace is not None and self._traced is not None:
+            self.trace.append(_traced_round(*self._traced, path, n))
+            self._traced = None
         if self._pending is not None:
             before, live, predicted = self._pending
             accepted, forecast = self.calibration
@@ -158,6 +163,7 @@ class EagleDrafter:
         host = self._host_history is not None and (run.params.greedy or run.params.plain)
         depth, live = min(self.shape.depth, gamma), run.active if run.active.any() else np.ones(run.batch, bool)
         hits = self.lookup.matches(run, live, depth) if self.lookup is not None else None   # once a round
+        self._traced = None
         quick = self._lookup_only(run, live, hits)
         if quick is not None:
             tree, tokens = quick
@@ -291,6 +297,8 @@ class EagleDrafter:
         if self.lookup is not None:
             self.lookup.offered(tree)
         self._pending = (run.accepted, int(live.sum()), float(m[order[:n]].sum()))
+        if self.trace is not None:
+            self._traced = ("tree", tree.paths, [float(m[chosen[p]]) for p in tree.paths])
         self.promise = [DECAY * self.promise[0] + self.scale * self._pending[2], DECAY * self.promise[1] + 1]
         return tree, cand_tok[:, [chosen[p] for p in tree.paths]]
 
@@ -317,6 +325,8 @@ class EagleDrafter:
         tree = tree_of(tuple((0,) * j for j in range(1, L + 1)))
         self.lookup.chains_of({b: (n, tree.paths[:len(hit)]) for b, (n, hit) in hits.items()}, tree)
         self._pending = None
+        if self.trace is not None:
+            self._traced = ("lookup", tree.paths, p[0, :L].tolist())
         return tree, tokens[:, :L].copy()
 
     @property
@@ -524,6 +534,20 @@ def _lineage(fed: list[tuple]) -> tuple[list, list, tuple]:
         tokens.append(tok)
         feats.append(feat)
     return tokens, feats, tuple(paths)
+
+
+def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
+    """A verified round of row 0 for specrt.projection: (kind, the nodes' scores, most probable first, their
+    depths, and the ranks in that order of the accepted nodes, root's child first)."""
+    order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i])))
+    rank = {paths[i]: r for r, i in enumerate(order)}
+    count = int(n[0])
+    if path is None:   # verified as a chain: the pass's own order
+        row = list(range(count + 1))
+    else:
+        row = path[0].tolist() if hasattr(path[0], "tolist") else list(path[0])
+    return (kind, [scores[i] for i in order], [len(paths[i]) for i in order],
+            [rank[paths[pos - 1]] for pos in row[1:count + 1]])
 
 
 def _mean_prob(score: np.ndarray) -> np.ndarray:

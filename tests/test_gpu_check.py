@@ -32,6 +32,10 @@ def test_gpu_check_on_the_cpu_writes_the_whole_report(tmp_path):
     assert report["methods"]["medusa"]["rows"][0]["stats"]["acceptance_rate"] is not None
     times = report["pass_times"]["float32"]
     assert list(times["ms"]) == [str(k) for k in KS] and all(t > 0 for t in times["ms"].values())
+    projected = report["eagle_projection"]["float32"]   # the shipped drafter's traces against these costs
+    for t in ("T=0", "T=0.7"):
+        assert projected[t]["adaptive"]["speedup"] > 0 and projected[t]["full_trees"]["tree_rounds"] == 1.0
+    assert projected["draft_pass_ms"] > 0 and "measured_T=0" not in projected   # random weights: not measured
     assert [s["step"].split(":")[0].split(" ")[0] for s in report["steps"]][:3] == ["models", "export", "build"]
     assert report["skipped"] == [] and "speed" not in report   # speed targets are judged on CUDA only
     assert not (tmp_path / "gpu-check.json.tmp").exists()

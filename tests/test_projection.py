@@ -1,0 +1,77 @@
+"""EAGLE's projected speedup (specrt.projection): the trace records what the target accepted, the replay follows
+the costs it is given, and the shipped drafter's traces load."""
+from __future__ import annotations
+
+import pytest
+
+from specrt import projection
+from specrt.adaptive import Costs
+from specrt.errors import InputError
+from test_eagle import eagle_pair  # noqa: F401  (the fixture)
+
+
+def test_trace_records_the_rounds_the_loop_ran(eagle_pair, tmp_path):  # noqa: F811
+    gen = eagle_pair[0]
+    gen.eagle.spec["dynamic_tree"] = {"top_k": 2, "depth": 3, "nodes": 6}   # room for a tree in every round
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]]
+    trace = projection.record(gen, prompts, max_new_tokens=12)
+    runs = [gen.generate(prompt_ids=ids, max_new_tokens=12, method="eagle", adaptive=False) for ids in prompts]
+    assert trace["prompts"] == [r.stats["rounds"] for r in runs] == [len(trace["rounds"]) - trace["prompts"][1],
+                                                                     trace["prompts"][1]]
+    assert trace["shape"] == [2, 3, 6]
+    # every round's tokens (its accepted drafts and the target's own) make each answer after its first token
+    assert sum(1 + len(accepted) for *_, accepted in trace["rounds"]) >= sum(len(r.token_ids[0]) - 1 for r in runs)
+    for kind, scores, depths, accepted in trace["rounds"]:
+        assert kind in ("tree", "lookup") and len(scores) == len(depths) > 0
+        assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+        assert accepted == sorted(accepted) and all(0 <= r < len(scores) for r in accepted)
+        assert [depths[r] for r in accepted] == list(range(1, len(accepted) + 1))   # a path from the root
+    projection.save(trace, tmp_path / "t.json.gz")
+    assert projection.load(tmp_path / "t.json.gz") == trace
+
+
+# two rounds of a prompt: four nodes (the first two a path), the target accepting both of the path, then one node
+TRACE = {"format": projection.FORMAT, "prompts": [2],
+         "rounds": [["tree", [0.9, 0.8, 0.1, 0.05], [1, 2, 1, 3], [0, 1]],
+                    ["tree", [0.5, 0.2, 0.1, 0.1], [1, 2, 2, 1], [0]]]}
+
+
+def costs(per_token: float) -> Costs:
+    """Target passes of 1 ms and `per_token` ms more per token."""
+    return Costs(0.0, {k: 1e-3 * (1 + per_token * (k - 1)) for k in (1, 2, 8)})
+
+
+def test_a_flat_pass_curve_verifies_whole_trees():
+    got = projection.project(TRACE, costs(0.0), 0.0, 0.0, 0.0)
+    assert got == {"speedup": 2.5, "tokens_per_round": 2.5, "tree_rounds": 1.0}   # (3 + 2) tokens in 2 passes
+
+
+def test_expensive_nodes_give_plain_steps_and_full_trees_lose():
+    full = projection.project(TRACE, costs(1.5), 0.0, 0.0, 0.0, adaptive=False)
+    assert full["speedup"] == pytest.approx(5 / (2 * 7), abs=1e-4) and full["tree_rounds"] == 1.0
+    # a node costs 1.5 passes: after its warm-up rounds the policy takes plain steps, probing trees now and then
+    many = dict(TRACE, prompts=[40, 40], rounds=TRACE["rounds"] * 40)
+    got = projection.project(many, costs(1.5), 0.0, 0.0, 0.0)
+    assert got["tree_rounds"] < 0.2 and 0.9 < got["speedup"] < 1.0
+
+
+def test_drafting_and_host_time_are_charged():
+    # a flat curve, 1 ms a drafter level: round 1 grows 3 levels (its deepest node), round 2 two
+    got = projection.project(TRACE, costs(0.0), 1e-3, 0.0, 0.0, adaptive=False)
+    assert got["speedup"] == pytest.approx(5 / (4 + 3), abs=1e-4)
+    host = projection.project(TRACE, costs(0.0), 0.0, 1e-3, 1e-3, adaptive=False)
+    assert host["speedup"] == pytest.approx(5 * 2 / 4, abs=1e-4)   # a plain step 2 ms, a round 2 ms
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_shipped_traces_load(temperature):
+    trace = projection.load(projection.shipped_trace(temperature))
+    assert trace["temperature"] == temperature and trace["shape"] == [6, 6, 32] and len(trace["rounds"]) > 1000
+    assert 1.5 < trace["tokens_per_round"] < 3.0
+
+
+def test_a_file_that_is_not_a_trace_is_refused(tmp_path):
+    bad = tmp_path / "bad.json.gz"
+    bad.write_text("{}")
+    with pytest.raises(InputError, match="not an EAGLE trace"):
+        projection.load(bad)
