@@ -1,11 +1,13 @@
 """ONNX Runtime engines for the CUDA provider, built from the exported graphs of the engine contract.
 
 Per model: the exported graph in the engine dtype (float32, float16 or bfloat16; `logits` and `hidden` stay
-float32, cast inside the graph, so verification and the Medusa heads read what they read on the CPU), with
+float32, cast inside the graph, so verification and the Medusa heads read what they read on the CPU, and so
+does an EAGLE drafter's `features` input, the target's float32 hidden states), with
 ONNX Runtime's provider-independent optimisations applied; the rest (fusions for the provider) happens when
-the session loads on the device. The target also gets one graph per verification width W with every shape
-fixed (B = 1, S = W, caches [1, Hkv, max_seq_len, D], num_logits = W) and TreeAttention's static body, so
-that no shape arithmetic is left once folded and ONNX Runtime can capture a CUDA graph of each.
+the session loads on the device. The target and the drafters with a cache (the draft model, the EAGLE drafter)
+also get one graph per width W with every shape fixed (B = 1, S = W, caches [1, Hkv, max_seq_len, D],
+num_logits = W) and TreeAttention's static body, so that no shape arithmetic is left once folded and ONNX
+Runtime can capture a CUDA graph of each: a verify pass, a draft step, an EAGLE catch-up or tree level.
 The graphs of one model keep their weights in one shared external file (each tensor stored once).
 """
 from __future__ import annotations
@@ -19,12 +21,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from specrt.manifest import check_file, file_entry
+from specrt.manifest import check_file, file_entry, logits_width
 from specrt.plugins.tree_attention import attach_function
 
-KEPT_FLOAT32 = ["logits", "hidden"]
+KEPT_FLOAT32 = ["logits", "hidden", "features"]   # an EAGLE drafter reads the target's float32 features
 FLOAT32_OPS = ["Pow", "ReduceMean"]   # RMSNorm's mean of squares: x² of a residual stream overflows float16
 MIN_EXTERNAL = 1024   # bytes: smaller tensors stay inside each graph
+WIDTH_ROLES = ("target", "draft", "eagle")   # the models with a cache: static width graphs on CUDA
 
 
 def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, ...], log) -> None:
@@ -35,10 +38,10 @@ def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, .
         for role, spec in manifest["models"].items():
             graph = check_file(directory, spec["graph"], f"{role} graph")
             role_dtype = "float32" if role == "medusa" else dtype   # the heads are small: kept float32
-            entries[role] = _build_model(directory, role, spec, graph, role_dtype,
-                                         widths if role == "target" else (), staged)
+            role_widths = widths if role in WIDTH_ROLES else ()
+            entries[role] = _build_model(directory, role, spec, graph, role_dtype, role_widths, staged)
             log(f"built {role} for CUDA ({role_dtype}"
-                + (f", static widths {','.join(map(str, widths))})" if role == "target" else ")"))
+                + (f", static widths {','.join(map(str, role_widths))})" if role_widths else ")"))
         for partial, final in staged:
             os.replace(partial, final)
         for role, entry in entries.items():
@@ -65,15 +68,16 @@ def _entry(directory: Path, e: dict) -> dict:
 
 
 def static_graph(model: onnx.ModelProto, width: int, spec: dict) -> onnx.ModelProto:
-    """The contract graph with every shape fixed for one verification width: B = 1, S = `width`,
-    caches of max_seq_len, num_logits = width (a constant), TreeAttention's static body."""
+    """The contract graph with every shape fixed for one width: B = 1, S = `width`, caches of max_seq_len,
+    num_logits = width (a constant), TreeAttention's static body. An EAGLE drafter's `features` are (1, S, d),
+    its logits as wide as its kept ids."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     kv = [1, spec["kv_heads"], spec["max_seq_len"], spec["head_dim"]]
     new = [1, spec["kv_heads"], width, spec["head_dim"]]
     shapes = {"input_ids": [1, width], "position_ids": [1, width], "past_len": [1],
-              "tree_mask": [1, width, width], "logits": [1, width, spec["vocab_size"]],
-              "hidden": [1, width, spec["hidden_size"]]}
+              "tree_mask": [1, width, width], "logits": [1, width, logits_width(spec)],
+              "hidden": [1, width, spec["hidden_size"]], "features": [1, width, spec["hidden_size"]]}
     for io in [*m.graph.input, *m.graph.output]:
         dims = shapes.get(io.name) or (kv if "_cache_" in io.name else new if "_new_" in io.name else None)
         if dims is not None:

@@ -8,14 +8,14 @@ probable first, and their depths) and which of those nodes the target accepted. 
 against a machine's costs (target passes over 1..N tokens, one drafter pass, the loop's own time a round) with
 the runtime's rules: a round takes a plain step or grows a tree as the rates measured so far say (TreePolicy),
 and a tree round verifies the number of its most probable nodes with the most expected tokens per second, its
-scores scaled by how well they have predicted acceptance. A round that verifies fewer nodes keeps the accepted path's prefix among them (exact at T = 0; at T > 0
-the same draw at every node).
+scores scaled by how well they have predicted acceptance. A round that verifies fewer nodes keeps the accepted
+path's prefix among them (exact at T = 0; at T > 0 the same draw at every node).
 
 `specrt gpu-check` uses it where the real weights cannot be on the device (its export is random there, and a
 random drafter's acceptance says nothing): the shipped drafter's trace, recorded on the CPU, replayed against
 the GPU's measured costs. It is a model: drafting is charged a pass per level down to the deepest chosen node
-(the runtime decides its growth level by level), and a plain step moves on to the next recorded round. How close it comes is measured on the CPU, where both can be run
-(README, "GPU check").
+(the runtime decides its growth level by level), and a plain step moves on to the next recorded round. How close
+it comes is measured on the CPU, where both can be run (README, "GPU check").
 """
 from __future__ import annotations
 

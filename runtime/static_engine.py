@@ -1,4 +1,5 @@
-"""Engines built with `specrt build --device cuda`: a static-shape target graph per verification width, each
+"""Engines built with `specrt build --device cuda`: a static-shape graph per width for the target (verify passes),
+the draft model (draft steps) and the EAGLE drafter (catch-ups and tree levels, its `features` included), each
 run over buffers bound once, so that ONNX Runtime's CUDA provider captures one CUDA graph per width.
 
 A pass of S tokens on one row runs the smallest width W >= S: the S inputs are copied into the width's static
@@ -18,7 +19,7 @@ import torch
 
 from specrt.backends import OrtEngine, StepOutput, bind_tensor, providers, session_options
 from specrt.kv_cache import KVCache
-from specrt.manifest import check_file
+from specrt.manifest import check_file, logits_width
 
 
 @dataclass
@@ -30,6 +31,7 @@ class WidthBuffers:
     mask: torch.Tensor       # (1, W, W) bool
     eye: torch.Tensor        # (1, W, W) bool: every pad row sees only itself
     out: StepOutput          # logits (1, W, V) float32, hidden (1, W, d) float32, new_kv (2L, 1, Hkv, W, D)
+    extra: dict              # further inputs by name (an EAGLE drafter's features (1, W, d) float32)
 
 
 class StaticWidthEngine:
@@ -45,7 +47,7 @@ class StaticWidthEngine:
         options = session_options(ort, spec, threads)
         self.sessions, self.buffers = {}, {}
         for w, entry in sorted(spec["engine"]["widths"].items(), key=lambda kv: int(kv[0])):
-            graph = check_file(Path(path).parent, entry, f"target width-{w} graph")
+            graph = check_file(Path(path).parent, entry, f"width-{w} graph")
             self.sessions[int(w)] = ort.InferenceSession(str(graph), options,
                                                          providers=providers(self.device, spec, **capture))
             self.buffers[int(w)] = self._buffers(int(w))
@@ -59,16 +61,22 @@ class StaticWidthEngine:
     def _buffers(self, W: int) -> WidthBuffers:
         s, dev = self.spec, self.device
         eye = torch.eye(W, dtype=torch.bool, device=dev)[None]
-        out = StepOutput(torch.zeros(1, W, s["vocab_size"], device=dev), torch.zeros(1, W, s["hidden_size"], device=dev),
+        out = StepOutput(torch.zeros(1, W, logits_width(s), device=dev),
+                         torch.zeros(1, W, s["hidden_size"], device=dev),
                          torch.zeros(2 * s["layers"], 1, s["kv_heads"], W, s["head_dim"], device=dev, dtype=self.dtype))
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        return WidthBuffers(zeros(1, W), zeros(1, W), zeros(1), eye.clone(), eye, out)
+        extra = {"features": torch.zeros(1, W, s["hidden_size"], device=dev)} if self._reads("features") else {}
+        return WidthBuffers(zeros(1, W), zeros(1, W), zeros(1), eye.clone(), eye, out, extra)
+
+    def _reads(self, name: str) -> bool:
+        return any(i.name == name for i in self.dynamic.session.get_inputs())
 
     def _bind_all(self, W: int) -> None:
         """Every input and output of width W's session, once: the addresses a captured graph replays."""
         b, buf, L = self.bindings[W], self.buffers[W], self.spec["layers"]
         names = {i.name for i in self.sessions[W].get_inputs()}
-        feeds = {"input_ids": buf.ids, "position_ids": buf.pos, "past_len": buf.past_len, "tree_mask": buf.mask}
+        feeds = {"input_ids": buf.ids, "position_ids": buf.pos, "past_len": buf.past_len, "tree_mask": buf.mask,
+                 **buf.extra}
         feeds.update({f"{'kv'[i % 2]}_cache_{i // 2}": t for i, t in enumerate(self.cache.layer_buffers())})
         for name, t in feeds.items():
             if name in names:   # an input the graph does not read is pruned from it
@@ -95,10 +103,13 @@ class StaticWidthEngine:
         """As OrtEngine.forward. One row of at most max_width tokens over the static cache: a width graph."""
         B, S = input_ids.shape
         cache = self.cache if cache is None else cache
-        if B != 1 or S > self.max_width or cache is not self.cache or extra:
+        W = min((w for w in self.sessions if w >= S), default=None)
+        if B != 1 or W is None or cache is not self.cache or extra.keys() != self.buffers[W].extra.keys():
             return self.dynamic.forward(input_ids, position_ids, past_len, tree_mask, num_logits, cache, **extra)
-        W = min(w for w in self.sessions if w >= S)
         buf = self.buffers[W]
+        for name, t in extra.items():
+            buf.extra[name].zero_()
+            buf.extra[name][:, :S].copy_(t)
         buf.ids.zero_()
         buf.ids[:, :S].copy_(input_ids)
         buf.pos.zero_()
@@ -115,12 +126,12 @@ class StaticWidthEngine:
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
         return OrtEngine.run_sequence(self, ids, num_logits)
 
-    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """As OrtEngine.time_pass, on the static cache; a run that holds it keeps its past_len."""
         if batch > 1:
-            return self.dynamic.time_pass(context, k, reps, batch)
+            return self.dynamic.time_pass(context, k, reps, batch, **extra)
         kept = self.cache.past_len.clone()
         try:
-            return OrtEngine.time_pass(self, context, k, reps)
+            return OrtEngine.time_pass(self, context, k, reps, **extra)
         finally:
             self.cache.past_len.copy_(kept)

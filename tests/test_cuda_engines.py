@@ -17,6 +17,7 @@ from specrt.backends import OrtEngine, bind_tensor, cuda_missing, pick_device
 from specrt.drafters import chain_mask
 from specrt.errors import BackendError
 from specrt.export.build import build
+from specrt.eagle import DynamicTree
 from specrt.generate import METHODS, Generator
 from specrt.manifest import read_manifest, sha256_file
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
@@ -211,6 +212,77 @@ def test_failed_build_keeps_previous_engines(engine_sets, tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="interrupted"):
         build(again, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 2))
     assert {p.name: sha256_file(p) for p in again.iterdir()} == before
+
+
+# ---- the drafters' width graphs --------------------------------------------------------------------------
+def test_draft_model_runs_its_width_graphs(engine_sets, monkeypatch):
+    cpu, cuda, model = engine_sets
+    gen = Generator.from_engines(cuda, device="cpu")
+    assert isinstance(gen.draft, StaticWidthEngine)
+    assert not read_manifest(cuda)["models"]["medusa"]["engine"].get("widths")   # the heads have no cache
+    ran = _count_width_runs(gen.draft, monkeypatch)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    ref = Generator.from_engines(cpu, device="cpu").generate(prompt_ids=prompt, max_new_tokens=16, method="draft")
+    assert_same_or_tie(gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft").token_ids[0],
+                       ref.token_ids[0], prompt, model)
+    assert ran.get(1, 0) > 0   # draft steps of one token ran the width-1 graph
+
+
+def _count_width_runs(engine, monkeypatch) -> dict:
+    ran = {}
+    for w, session in engine.sessions.items():
+        def counted(b, w=w, run=session.run_with_iobinding):
+            ran[w] = ran.get(w, 0) + 1
+            return run(b)
+        monkeypatch.setattr(session, "run_with_iobinding", counted)
+    return ran
+
+
+@pytest.fixture(scope="module")
+def eagle_sets(tmp_path_factory):
+    """A tiny target with a random EAGLE drafter: CPU engines, and CUDA float32 and float16 engines."""
+    from conftest import tiny_model
+    from test_eagle import V as EV, export_with_eagle
+    tmp = tmp_path_factory.mktemp("cuda-eagle")
+    model = tiny_model("llama", seed=1, vocab=EV, init=0.3)
+    cpu = export_with_eagle(tmp, model)
+    sets = {}
+    for dtype in ("float32", "float16"):
+        sets[dtype] = tmp / f"cuda-{dtype}"
+        shutil.copytree(cpu, sets[dtype])
+        build(sets[dtype], "onnxruntime", log=lambda *_: None, device="cuda", dtype=dtype, widths=(1, 2, 4, 8))
+    return cpu, sets, model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_eagle_on_width_engines_keeps_greedy_output(eagle_sets, dtype, monkeypatch):
+    """The drafter's catch-ups and tree levels run its width graphs (features bound with them; kept float32 in a
+    float16 engine, as the target's hidden states it reads are); the output is the target's own."""
+    cpu, sets, model = eagle_sets
+    gen = Generator.from_engines(sets[dtype], device="cpu")
+    gen.eagle.spec["dynamic_tree"] = {"top_k": 2, "depth": 3, "nodes": 6}   # levels of at most 6 tokens
+    assert isinstance(gen.eagle, StaticWidthEngine)
+    ran = _count_width_runs(gen.eagle, monkeypatch)
+    ref = Generator.from_engines(cpu, device="cpu")
+    for seed in range(2):
+        prompt = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+        got = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="eagle", adaptive=False).token_ids[0]
+        if dtype == "float32":
+            assert_same_or_tie(got, want, prompt, model)
+        else:   # a float16 target's own greedy output
+            assert got == gen.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+    assert sum(ran.values()) > 0 and set(ran) <= {1, 2, 4, 8}
+    costs = gen.eagle_costs(1, DynamicTree(2, 3, 6))   # the drafter's pass timed on its width graphs too
+    assert costs.draft_step > 0
+
+
+def test_eagle_features_stay_float32_in_reduced_precision_graphs(eagle_sets):
+    _, sets, _ = eagle_sets
+    for f in ("eagle.cuda.onnx", "eagle.w4.cuda.onnx"):
+        g = onnx.load(str(sets["float16"] / f), load_external_data=False).graph
+        types = {i.name: i.type.tensor_type.elem_type for i in g.input}
+        assert types["features"] == TensorProto.FLOAT and types["k_cache_0"] == TensorProto.FLOAT16, f
 
 
 # ---- device discipline ------------------------------------------------------------------------------------
