@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specrt.adaptive import Costs, TreePolicy
-from specrt.eagle import DECAY
+from specrt.eagle import DECAY, _best_size
 from specrt.errors import InputError
 
 FORMAT = 1
@@ -86,10 +86,10 @@ def load(path: str | Path) -> dict:
 def project(trace: dict, costs: Costs, draft_s: float, host_s: float, plain_host_s: float,
             adaptive: bool = True) -> dict:
     """Replay the trace's rounds against seconds measured on a machine: `costs.pass_time(k)` a target pass over
-    k tokens, `draft_s` one drafter pass (a tree level), `host_s` the loop's own time in a tree round,
-    `plain_host_s` in a plain step (autoregressive decoding's). -> the projected speedup over autoregressive
-    decoding, tokens per round, and the share of rounds that verify a tree. `adaptive=False`: every round
-    verifies its whole tree (EAGLE-2 as published)."""
+    k tokens, `draft_s` one drafter pass (the catch-up or a tree level), `host_s` the loop's own time in a tree
+    round, `plain_host_s` in a plain step (autoregressive decoding's). -> the projected speedup over
+    autoregressive decoding, tokens per round, and the share of rounds that verify a tree. `adaptive=False`:
+    every round grows every level and verifies its whole tree (EAGLE-2 as published)."""
     plain = costs.pass_time(1) + plain_host_s
     policy = TreePolicy()                 # a tree round or a plain step, from the rates measured so far
     accepted = predicted = 1.0            # the scores' calibration, decayed as the drafter's
@@ -103,21 +103,50 @@ def project(trace: dict, costs: Costs, draft_s: float, host_s: float, plain_host
             policy.update(False, 1.0, plain)
             tokens, seconds = tokens + 1, seconds + plain
             continue
-        scores = np.asarray(scores, np.float64)
-        lookup = kind == "lookup"
+        scores, lookup = np.asarray(scores, np.float64), kind == "lookup"
         p = np.minimum(scores * (1.0 if lookup else accepted / predicted), 1.0)
-        drafting = np.zeros(len(p)) if lookup else draft_s * np.maximum.accumulate(depths)
-        spent = drafting + costs.pass_curve(len(p)) + host_s
-        n = int(np.argmax((1 + np.cumsum(p)) / spent)) + 1 if adaptive else len(p)
-        kept = next((i for i, r in enumerate(got) if r >= n), len(got))   # the accepted prefix among the n
-        tokens, seconds, trees = tokens + 1 + kept, seconds + spent[n - 1], trees + 1
-        policy.update(True, 1.0 + kept, spent[n - 1])
+        made, spent, chosen = _round(p, np.asarray(depths), got, costs, draft_s, trace["shape"], adaptive, lookup)
+        spent += host_s
+        tokens, seconds, trees = tokens + made, seconds + spent, trees + 1
+        policy.update(True, made, spent)
         if not lookup:
-            accepted = DECAY * accepted + kept
-            predicted = DECAY * predicted + float(scores[:n].sum())
+            accepted = DECAY * accepted + made - 1
+            predicted = DECAY * predicted + float(scores[chosen].sum())
     rounds = max(1, len(trace["rounds"]))
     return {"speedup": round(float(tokens / seconds * plain), 4) if seconds else None,
             "tokens_per_round": round(tokens / rounds, 4), "tree_rounds": round(trees / rounds, 4)}
+
+
+def _round(p: np.ndarray, depths: np.ndarray, got: list, costs: Costs, draft_s: float, shape, adaptive: bool,
+           lookup: bool) -> tuple[int, float, np.ndarray]:
+    """One tree round as the runtime runs it (EagleDrafter._grow): drafter passes while another level can pay
+    (`_deeper`), then the nodes of the levels grown with the most expected tokens per second. `p`: the nodes'
+    scaled scores, most probable first. -> (tokens made, seconds of drafting and the verify pass, the verified
+    nodes' indices)."""
+    k, levels = shape[0], shape[1]
+    if lookup:              # prompt lookup's chain alone: no drafter pass
+        passes, candidates = 0, np.arange(len(p))
+    elif not adaptive:
+        passes, candidates = levels, np.arange(len(p))
+    else:
+        passes = 1          # the catch-up pass gives the first level
+        while passes < levels and _deeper(p, depths, passes, costs, draft_s, k):
+            passes += 1
+        candidates = np.flatnonzero(depths <= passes)
+    q = p[candidates]
+    n = _best_size(costs, q, draft_s * passes) if adaptive else len(q)
+    chosen = candidates[:n]
+    kept = next((j for j, r in enumerate(got) if r not in set(chosen.tolist())), len(got))
+    return 1 + kept, draft_s * passes + costs.pass_time(n + 1), chosen
+
+
+def _deeper(p: np.ndarray, depths: np.ndarray, passes: int, costs: Costs, draft_s: float, k: int) -> bool:
+    """EagleDrafter._deeper on the recorded nodes: whether another level's k frontier nodes can pay for its pass."""
+    spent, q = draft_s * passes, p[depths <= passes]
+    n = _best_size(costs, q, spent)
+    gain = 1 + q[:n].sum()
+    bound = gain + p[depths == passes][:k].sum()
+    return bound / (spent + draft_s + costs.pass_time(n + k + 1)) > gain / (spent + costs.pass_time(n + 1))
 
 
 def shipped_trace(temperature: float = 0.0) -> Path:

@@ -31,7 +31,7 @@ def test_trace_records_the_rounds_the_loop_ran(eagle_pair, tmp_path):  # noqa: F
 
 
 # two rounds of a prompt: four nodes (the first two a path), the target accepting both of the path, then one node
-TRACE = {"format": projection.FORMAT, "prompts": [2],
+TRACE = {"format": projection.FORMAT, "prompts": [2], "shape": [2, 3, 4],
          "rounds": [["tree", [0.9, 0.8, 0.1, 0.05], [1, 2, 1, 3], [0, 1]],
                     ["tree", [0.5, 0.2, 0.1, 0.1], [1, 2, 2, 1], [0]]]}
 
@@ -56,9 +56,15 @@ def test_expensive_nodes_give_plain_steps_and_full_trees_lose():
 
 
 def test_drafting_and_host_time_are_charged():
-    # a flat curve, 1 ms a drafter level: round 1 grows 3 levels (its deepest node), round 2 two
+    # a flat curve, 1 ms a drafter pass: full trees grow all 3 levels (the catch-up pass and 2 expansions)
     got = projection.project(TRACE, costs(0.0), 1e-3, 0.0, 0.0, adaptive=False)
-    assert got["speedup"] == pytest.approx(5 / (4 + 3), abs=1e-4)
+    assert got["speedup"] == pytest.approx(5 / (4 + 4), abs=1e-4)
+    # adaptive rounds grow a level only where it can pay; here (a level costs a verify pass) neither grows past
+    # the catch-up's level: both verify their two depth-1 nodes and make 2 tokens in 2 ms
+    sized = projection.project(TRACE, costs(0.0), 1e-3, 0.0, 0.0)
+    assert sized == {"speedup": 1.0, "tokens_per_round": 2.0, "tree_rounds": 1.0}
+    cheap = projection.project(TRACE, costs(0.0), 1e-5, 0.0, 0.0)   # cheap levels: round 1 grows to its path
+    assert cheap["tokens_per_round"] == 2.5
     host = projection.project(TRACE, costs(0.0), 0.0, 1e-3, 1e-3, adaptive=False)
     assert host["speedup"] == pytest.approx(5 * 2 / 4, abs=1e-4)   # a plain step 2 ms, a round 2 ms
 
