@@ -321,7 +321,8 @@ def tune_tree(engines, method, max_nodes, width, device):
 def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, context, reps, budget_s, work):
     """Export the default engines, build them for the CPU and for CUDA, check greedy CUDA float32 output
     against the CPU engines, run every method on the device, time target passes for k = 1..64 per dtype,
-    and write it all to one JSON file. Needs an NVIDIA GPU and onnxruntime-gpu (pip install 'specrt[gpu]')."""
+    project EAGLE's speedup from the shipped drafter's acceptance traces and those costs, and write it all to
+    one JSON file. Needs an NVIDIA GPU and onnxruntime-gpu (pip install 'specrt[gpu]')."""
     from pathlib import Path
 
     from specrt.gpu_check import CheckConfig, run_gpu_check

@@ -250,25 +250,28 @@ def pass_times(gen, context: int, reps: int) -> dict:
             "k16_over_k1": round(times[16] / times[1], 4), "k64_over_k1": round(times[64] / times[1], 4)}
 
 
-def eagle_projection(gen, methods: dict, real_weights: bool) -> dict:
+def eagle_projection(gen, methods: dict, passes: dict, context: int, reps: int, real_weights: bool) -> dict:
     """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.projection):
     the shipped drafter's acceptance traces (SmolLM2-135M-Instruct, MT-Bench dev prompts, recorded on the CPU at
-    T = 0 and 0.7) replayed against the target's passes and one drafter pass timed here, and the loop's host time
-    a round of the method checks (`methods`). With the real weights, also the speedup the method checks measured
-    (a few short answers: an indication)."""
+    T = 0 and 0.7) replayed against the target's passes of step 5 (`passes`), one drafter pass over a tree level
+    timed here the same way, and the loop's host time a round of the method checks (`methods`). With the real
+    weights, also the speedup the method checks measured (a few short answers: an indication)."""
     from specrt import projection
-    from specrt.eagle import DynamicTree
+    from specrt.adaptive import Costs
     host = {m: (methods.get(m) or {}).get("host_ms_per_round") or 0.0 for m in ("eagle", "autoregressive")}
     out = {"trace": "the shipped SmolLM2-135M EAGLE drafter's, recorded on the CPU", "host_ms_per_round": host}
+    spec = gen.eagle.spec
     for t in (0.0, 0.7):
         trace = projection.load(projection.shipped_trace(t))
-        costs = gen.eagle_costs(1, DynamicTree(*trace["shape"]))
-        args = (trace, costs, costs.draft_step, host["eagle"] / 1e3, host["autoregressive"] / 1e3)
+        width = 2 * trace["shape"][0]   # a tree level: the frontier and its parents
+        draft = gen.eagle.time_pass(min(context, spec["max_seq_len"] - width), width, reps, features=torch.zeros(
+            1, width, spec["hidden_size"], device=gen.eagle.device))
+        costs = Costs(draft, {int(k): ms / 1e3 for k, ms in passes["ms"].items()})
+        args = (trace, costs, draft, host["eagle"] / 1e3, host["autoregressive"] / 1e3)
         out[f"T={t:g}"] = {"adaptive": projection.project(*args),
                            "full_trees": projection.project(*args, adaptive=False),
                            "trace_tokens_per_round": round(trace["tokens_per_round"], 4)}
-    out["pass_ms"] = {str(k): round(1e3 * v, 4) for k, v in sorted(costs.verify.items())}
-    out["draft_pass_ms"] = round(1e3 * costs.draft_step, 4)
+    out["draft_pass_ms"] = round(1e3 * draft, 4)
     if real_weights and methods.get("eagle", {}).get("rows"):
         out["measured_T=0"] = round(_tokens_per_s(methods["eagle"]) / _tokens_per_s(methods["autoregressive"]), 4)
     return out
@@ -362,8 +365,9 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
             gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
             report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
             if gen.has("eagle"):
-                got = report["eagle_projection"][dtype] = eagle_projection(gen, report["methods"],
-                                                                           report["weights"] == "smollm2-135m")
+                got = report["eagle_projection"][dtype] = eagle_projection(
+                    gen, report["methods"], report["pass_times"][dtype], cfg.context, cfg.reps,
+                    report["weights"] == "smollm2-135m")
                 progress.log("    EAGLE over autoregressive, projected: " + ", ".join(
                     f"{t} {got[t]['adaptive']['speedup']}x (full trees {got[t]['full_trees']['speedup']}x)"
                     for t in ("T=0", "T=0.7")))
