@@ -6,16 +6,17 @@ the times depend on the hardware. `record` runs EAGLE with full trees every roun
 per round of one sequence, what an adaptive round chooses its size from (the verified nodes' scores, most
 probable first, and their depths) and which of those nodes the target accepted. `project` replays the rounds
 against a machine's costs (target passes over 1..N tokens, one drafter pass, the loop's own time a round) with
-the runtime's rules: a round takes a plain step or grows a tree as the rates measured so far say (TreePolicy),
-and a tree round verifies the number of its most probable nodes with the most expected tokens per second, its
-scores scaled by how well they have predicted acceptance. A round that verifies fewer nodes keeps the accepted
+the runtime's rules: a round takes a plain step or grows a tree as the rates measured so far say (TreePolicy); a
+tree round grows a level while another can pay (EagleDrafter._deeper), then verifies the number of its most
+probable nodes with the most expected tokens per second, its scores scaled by how well they have predicted
+acceptance. A round that verifies fewer nodes keeps the accepted
 path's prefix among them (exact at T = 0; at T > 0 the same draw at every node).
 
 `specrt gpu-check` uses it where the real weights cannot be on the device (its export is random there, and a
 random drafter's acceptance says nothing): the shipped drafter's trace, recorded on the CPU, replayed against
-the GPU's measured costs. It is a model: drafting is charged a pass per level down to the deepest chosen node
-(the runtime decides its growth level by level), and a plain step moves on to the next recorded round. How close
-it comes is measured on the CPU, where both can be run (README, "GPU check").
+the GPU's measured costs. It is a model: the trace keeps a round's verified nodes only, so the growth rule sees
+part of each level's frontier (it grows a little less than the runtime), and a plain step moves on to the next
+recorded round. How close it comes is measured on the CPU, where both can be run (README, "GPU check").
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def record(gen, prompts: list[list[int]], max_new_tokens: int = 96, temperature:
     trace: per verified round, [kind ("tree", or "lookup" for a round of prompt lookup's chain alone), the
     nodes' scores most probable first, their depths, the accepted nodes' ranks in that order], and the number
     of rounds of each prompt (`prompts`)."""
+    if not prompts:
+        raise InputError("record: no prompts")
     rounds, per_prompt, started = [], [], time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as generate() runs its loop
@@ -136,7 +139,8 @@ def _round(p: np.ndarray, depths: np.ndarray, got: list, costs: Costs, draft_s: 
     q = p[candidates]
     n = _best_size(costs, q, draft_s * passes) if adaptive else len(q)
     chosen = candidates[:n]
-    kept = next((j for j, r in enumerate(got) if r not in set(chosen.tolist())), len(got))
+    verified = set(chosen.tolist())
+    kept = next((j for j, r in enumerate(got) if r not in verified), len(got))
     return 1 + kept, draft_s * passes + costs.pass_time(n + 1), chosen
 
 

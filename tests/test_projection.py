@@ -16,8 +16,7 @@ def test_trace_records_the_rounds_the_loop_ran(eagle_pair, tmp_path):  # noqa: F
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]]
     trace = projection.record(gen, prompts, max_new_tokens=12)
     runs = [gen.generate(prompt_ids=ids, max_new_tokens=12, method="eagle", adaptive=False) for ids in prompts]
-    assert trace["prompts"] == [r.stats["rounds"] for r in runs] == [len(trace["rounds"]) - trace["prompts"][1],
-                                                                     trace["prompts"][1]]
+    assert trace["prompts"] == [r.stats["rounds"] for r in runs] and sum(trace["prompts"]) == len(trace["rounds"])
     assert trace["shape"] == [2, 3, 6]
     # every round's tokens (its accepted drafts and the target's own) make each answer after its first token
     assert sum(1 + len(accepted) for *_, accepted in trace["rounds"]) >= sum(len(r.token_ids[0]) - 1 for r in runs)
