@@ -335,16 +335,10 @@ class EagleDrafter:
         return self.calibration[0] / self.calibration[1]
 
     def _deeper(self, costs, scores: np.ndarray, frontier: np.ndarray, passes: int) -> bool:
-        """Whether another level can pay for itself: its nodes together add at most the frontier's probability
-        of tokens, for one more drafter pass and k more nodes to verify; grow while that bound beats the best
-        tree of the candidates so far (`passes`: the drafter passes of the round so far)."""
-        spent, level = costs.draft_step * passes, costs.draft_step
+        """level_pays for this round's candidates (`scores`) and frontier, after `passes` drafter passes."""
         p = np.minimum(self.scale * np.sort(_mean_prob(scores))[::-1][:self.shape.nodes], 1.0)
-        n = _best_size(costs, p, spent)
-        gain = 1 + p[:n].sum()
-        bound = gain + np.minimum(self.scale * _mean_prob(frontier), 1.0).sum()
-        return bound / (spent + level + costs.pass_time(n + self.shape.top_k + 1)) > \
-            gain / (spent + costs.pass_time(n + 1))
+        return level_pays(costs, p, np.minimum(self.scale * _mean_prob(frontier), 1.0), costs.draft_step * passes,
+                          costs.draft_step, self.shape.top_k)
 
     def _expand(self, run, tokens: list[np.ndarray], feats: list, paths: tuple, k: int):
         """One pass over the frontier and its ancestors (B, S): each sees its own ancestors; logits of the last k.
@@ -553,6 +547,17 @@ def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
 def _mean_prob(score: np.ndarray) -> np.ndarray:
     """(B, C) cumulative log-probabilities of the live rows -> (C,) their mean probability."""
     return np.exp(score.astype(np.float64)).mean(0)
+
+
+def level_pays(costs, probs: np.ndarray, frontier: np.ndarray, spent: float, level: float, k: int) -> bool:
+    """Whether another tree level can pay for itself: its k nodes together add at most the frontier's probability
+    of tokens (`frontier`, scaled), for one more drafter pass (`level` seconds) and k more nodes to verify; grow
+    while that bound beats the best tree of the candidates so far (`probs`, scaled, most probable first; `spent`:
+    the round's drafting so far). EagleDrafter's rounds and specrt.projection's replay both decide by it."""
+    n = _best_size(costs, probs, spent)
+    gain = 1 + probs[:n].sum()
+    bound = gain + frontier.sum()
+    return bound / (spent + level + costs.pass_time(n + k + 1)) > gain / (spent + costs.pass_time(n + 1))
 
 
 def _best_size(costs, probs: np.ndarray, spent: float) -> int:

@@ -7,9 +7,9 @@ per round of one sequence, what an adaptive round chooses its size from (the ver
 probable first, and their depths) and which of those nodes the target accepted. `project` replays the rounds
 against a machine's costs (target passes over 1..N tokens, one drafter pass, the loop's own time a round) with
 the runtime's rules: a round takes a plain step or grows a tree as the rates measured so far say (TreePolicy); a
-tree round grows a level while another can pay (EagleDrafter._deeper), then verifies the number of its most
-probable nodes with the most expected tokens per second, its scores scaled by how well they have predicted
-acceptance. A round that verifies fewer nodes keeps the accepted
+tree round grows a level while another can pay (`level_pays`, as EagleDrafter does), then verifies the number of
+its most probable nodes with the most expected tokens per second, its scores scaled by how well they have
+predicted acceptance. A round that verifies fewer nodes keeps the accepted
 path's prefix among them (exact at T = 0; at T > 0 the same draw at every node).
 
 `specrt gpu-check` uses it where the real weights cannot be on the device (its export is random there, and a
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specrt.adaptive import Costs, TreePolicy
-from specrt.eagle import DECAY, _best_size
+from specrt.eagle import DECAY, _best_size, level_pays
 from specrt.errors import InputError
 
 FORMAT = 1
@@ -123,7 +123,7 @@ def project(trace: dict, costs: Costs, draft_s: float, host_s: float, plain_host
 def _round(p: np.ndarray, depths: np.ndarray, got: list, costs: Costs, draft_s: float, shape, adaptive: bool,
            lookup: bool) -> tuple[int, float, np.ndarray]:
     """One tree round as the runtime runs it (EagleDrafter._grow): drafter passes while another level can pay
-    (`_deeper`), then the nodes of the levels grown with the most expected tokens per second. `p`: the nodes'
+    (`level_pays`), then the nodes of the levels grown with the most expected tokens per second. `p`: the nodes'
     scaled scores, most probable first. -> (tokens made, seconds of drafting and the verify pass, the verified
     nodes' indices)."""
     k, levels = shape[0], shape[1]
@@ -133,7 +133,8 @@ def _round(p: np.ndarray, depths: np.ndarray, got: list, costs: Costs, draft_s: 
         passes, candidates = levels, np.arange(len(p))
     else:
         passes = 1          # the catch-up pass gives the first level
-        while passes < levels and _deeper(p, depths, passes, costs, draft_s, k):
+        while passes < levels and level_pays(costs, p[depths <= passes], p[depths == passes][:k],
+                                             draft_s * passes, draft_s, k):
             passes += 1
         candidates = np.flatnonzero(depths <= passes)
     q = p[candidates]
@@ -144,20 +145,10 @@ def _round(p: np.ndarray, depths: np.ndarray, got: list, costs: Costs, draft_s: 
     return 1 + kept, draft_s * passes + costs.pass_time(n + 1), chosen
 
 
-def _deeper(p: np.ndarray, depths: np.ndarray, passes: int, costs: Costs, draft_s: float, k: int) -> bool:
-    """EagleDrafter._deeper on the recorded nodes: whether another level's k frontier nodes can pay for its pass."""
-    spent, q = draft_s * passes, p[depths <= passes]
-    n = _best_size(costs, q, spent)
-    gain = 1 + q[:n].sum()
-    bound = gain + p[depths == passes][:k].sum()
-    return bound / (spent + draft_s + costs.pass_time(n + k + 1)) > gain / (spent + costs.pass_time(n + 1))
-
-
 def shipped_trace(temperature: float = 0.0) -> Path:
     """The shipped EAGLE drafter's trace at this temperature (0 or 0.7), next to its weights."""
-    from importlib import resources
-    name = "rounds_t0.json.gz" if temperature == 0 else "rounds_t07.json.gz"
-    return Path(str(resources.files("specrt.export").joinpath("drafters/smollm2-135m-eagle", name)))
+    from specrt.export.sources import DRAFTERS_DIR
+    return DRAFTERS_DIR / "smollm2-135m-eagle" / ("rounds_t0.json.gz" if temperature == 0 else "rounds_t07.json.gz")
 
 
 def main(argv=None) -> None:
