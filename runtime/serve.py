@@ -207,8 +207,8 @@ class Scheduler:
             self.ready.notify()
 
     def stop(self, grace: float) -> None:
-        """Stop taking part: the requests running or waiting get `grace` seconds to finish, then end with an
-        error; the thread ends when none is left."""
+        """Shut down: the requests running or waiting get `grace` seconds to finish, then end with an error; the
+        thread ends once none is left."""
         with self.ready:
             deadline = time.monotonic() + grace
             self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
