@@ -13,15 +13,15 @@ from onnx import TensorProto, helper
 
 from conftest import export_tiny_with_heads
 from greedy_check import assert_same_or_tie
-from specrt.backends import OrtEngine, bind_tensor, cuda_missing, pick_device
-from specrt.drafters import chain_mask
+from specrt.engines.base import OrtEngine, bind_tensor, cuda_missing, pick_device
+from specrt.decoding.drafters import chain_mask
 from specrt.errors import BackendError
 from specrt.export.build import build
-from specrt.eagle import DynamicTree
-from specrt.generate import METHODS, Generator
-from specrt.manifest import read_manifest, sha256_file
+from specrt.decoding.eagle import DynamicTree
+from specrt.decoding.generate import METHODS, Generator
+from specrt.engines.manifest import read_manifest, sha256_file
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
-from specrt.static_engine import StaticWidthEngine
+from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
 
 V = 48

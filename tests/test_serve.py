@@ -15,9 +15,9 @@ import pytest
 
 from conftest import export_tiny_with_heads, load_prompts
 from greedy_check import assert_same_or_tie
-from specrt.generate import Generator
-from specrt.serve import SHUTDOWN_GRACE_S, StopText
-from specrt.serve_bench import server
+from specrt.decoding.generate import Generator
+from specrt.serving.server import SHUTDOWN_GRACE_S, StopText
+from specrt.measurement.serve_bench import server
 
 VOCAB, MAX_LEN = 128, 256
 

@@ -36,9 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
+from specrt.decoding.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
 
-log = logging.getLogger("specrt.serve")
+log = logging.getLogger("specrt.serving.server")
 
 SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running requests may still take
 
@@ -411,7 +411,7 @@ class Server:
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
-                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree, adaptive=req.specrt.adaptive)
+                    method=method, gamma=req.specrt.gamma, tree=req.specrt.decoding.tree, adaptive=req.specrt.decoding.adaptive)
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from specrt.backends import OrtEngine, StepOutput, bind_tensor, providers, session_options
-from specrt.kv_cache import KVCache
-from specrt.manifest import check_file, logits_width
+from specrt.engines.base import OrtEngine, StepOutput, bind_tensor, providers, session_options
+from specrt.engines.kv_cache import KVCache
+from specrt.engines.manifest import check_file, logits_width
 
 
 @dataclass
