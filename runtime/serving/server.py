@@ -411,7 +411,8 @@ class Server:
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
-                    method=method, gamma=req.specrt.gamma, tree=req.specrt.decoding.tree, adaptive=req.specrt.decoding.adaptive)
+                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
+                    adaptive=req.specrt.adaptive)
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
