@@ -200,45 +200,64 @@ def _summary(s: dict, method: str) -> None:
 def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
            alpha, seed, device):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
-    identical (chi-square against the exact target distribution; p-values printed)."""
+    identical (chi-square against the exact target distribution; p-values printed).
+
+    \b
+    Exit status: 0 PASS, 1 FAIL, 3 NOT TESTED (a check that was asked for could not run: no greedy prompt, or no
+    prefix whose next token has two outcomes likely enough to count; the output says which and why)."""
     from specrt.measurement.bench import load_prompts
     from specrt.measurement.check import Report, check_greedy, check_sampling
     from specrt.decoding.generate import Generator
     from specrt.decoding.sampling import SamplingParams
     try:
         gen = Generator.from_engines(engines, device=device)
+        n = max(num_prompts, 1)   # the sampling check draws after the first prompt
         if gen.tokenizer is not None:
-            prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)]
+            prompts = [gen.encode(p.text) for p in load_prompts(None, n)]
         else:  # engines without a tokenizer: short repeating id prompts
-            prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(num_prompts)]
-        report = Report()
-        click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {len(prompts)} prompts x "
+            prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(n)]
+        report = Report(sampling=samples > 0)
+        click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {num_prompts} prompts x "
                    f"{max_new_tokens} tokens")
         kw = {"tree": True} if tree else {}
         if method != "medusa":
             kw["gamma"] = gamma
-        report.greedy = check_greedy(gen, prompts, method, max_new_tokens, **kw)
+        report.greedy = check_greedy(gen, prompts[:num_prompts], method, max_new_tokens, **kw)
+        if not report.greedy:
+            report.untested.append(f"greedy: --prompts {num_prompts}")
         for i, row in enumerate(report.greedy):
             detail = "identical" if row["identical"] else (
                 f"diverged at token {row.get('diverged_at')}, logit gap {row.get('logit_gap', float('nan')):.2e}"
                 f" ({'near tie' if row['ok'] else 'NOT a tie'})")
             click.echo(f"  prompt {i + 1}: {row['tokens']} tokens, {detail}")
-        params = SamplingParams(temperature, top_k, top_p, seed)
         if samples == 0:
             click.echo("sampling: skipped (--samples 0)")
-            click.echo("PASS" if report.passed else "FAIL")
-            sys.exit(0 if report.passed else 1)
-        click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k {top_k}, "
-                   f"top-p {top_p}; chi-square of the next token at the most frequent prefixes")
-        report.tests = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, **kw)
-        for t in report.tests:
-            mark = "ok" if t["p_value"] > alpha else "FAIL"
-            click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} bins, "
-                       f"p = {t['p_value']:.4f} {mark}")
+        else:
+            click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k "
+                       f"{top_k}, top-p {top_p}; chi-square of the next token at the most frequent prefixes")
+            params = SamplingParams(temperature, top_k, top_p, seed)
+            report.tests, untested = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, **kw)
+            report.untested += [f"sampling: {u}" for u in untested]
+            for t in report.tests:
+                mark = "ok" if t["p_value"] > alpha else "FAIL"
+                click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} "
+                           f"bins, p = {t['p_value']:.4f} {mark}")
     except SpecrtError as e:
         _fail(e)
-    click.echo("PASS" if report.passed else "FAIL")
-    sys.exit(0 if report.passed else 1)
+    for line in report.untested:
+        click.echo(f"  could not test: {line}")
+    verdict = report.verdict
+    if verdict == "NOT TESTED":
+        what = []
+        if not report.greedy:
+            what.append("the greedy output")
+        if report.sampling and not report.tests:
+            what.append("the sampled distribution (no chi-square test ran)")
+        click.echo(f"NOT TESTED: {' and '.join(what)}; raise --prompts, --samples, --depth, --temperature or "
+                   "--top-k")
+    else:
+        click.echo(verdict)
+    sys.exit({"PASS": 0, "FAIL": 1, "NOT TESTED": 3}[verdict])
 
 
 @main.command()

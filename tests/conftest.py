@@ -26,17 +26,19 @@ def tiny_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, h
                pad_token_id=None)
 
 
-def tiny_model(arch: str, seed: int = 0, **kw):
+def tiny_model(arch: str, seed: int = 0, eos: int | None = None, **kw):
+    """A random model; `eos`: its end-of-sequence token (none by default: sequences run to their length)."""
     import transformers
     torch.manual_seed(seed)
     cls = getattr(transformers, REGISTRY[arch].hf_class)
     model = cls(tiny_config(arch, **kw)).eval()
+    model.config.eos_token_id = eos
     if arch == "qwen2":  # give the q/k/v biases values, so that they are tested
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = eos
     return model
 
 
