@@ -38,7 +38,8 @@ def main():
               help="EAGLE drafter directory (eagle_config.json + eagle.safetensors) for the target.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
+@click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
+              "only once the new export is complete; any other existing OUT is refused.")
 def export(target, draft, medusa, eagle, out, max_seq_len, force):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
