@@ -10,6 +10,9 @@ import click
 from specrt.errors import SpecrtError
 
 
+DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
+
+
 def _fail(e: Exception):
     raise click.ClickException(str(e)) from e
 
@@ -119,7 +122,7 @@ def sampling_options(f):
         click.option("--adaptive/--no-adaptive", default=True, show_default=True,
                      help="Each round chooses: chains their length, trees a tree or a plain target step, by the "
                           "measured acceptance and costs. --no-adaptive speculates every round."),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
     ]):
         f = opt(f)
@@ -197,7 +200,7 @@ def _summary(s: dict, method: str) -> None:
 @click.option("--gamma", default=2, show_default=True)
 @click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
            alpha, seed, device):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
@@ -266,7 +269,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
 @click.argument("other", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts (MT-Bench).")
 @click.option("--max-new-tokens", default=96, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def compare(engines, other, num_prompts, max_new_tokens, device):
     """Greedy output of the targets of ENGINES and OTHER (e.g. int4 and float32 builds of one export): how
     many tokens agree, and at the first difference both targets' logit gaps between the two tokens."""
@@ -294,7 +297,7 @@ def compare(engines, other, num_prompts, max_new_tokens, device):
 @click.option("--method", type=click.Choice(["medusa", "draft", "eagle"]), default="medusa", show_default=True)
 @click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
 @click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda: the tree is chosen for it.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP + " The tree is chosen for it.")
 def tune_tree(engines, method, max_nodes, width, device):
     """Choose the candidate tree for METHOD automatically (acceptance per depth and rank on calibration
     prompts, verification cost measured here) and save it with ENGINES; generate uses it by default."""
@@ -364,7 +367,7 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
               default="autoregressive", show_default=True,
               help='Method of the requests that do not choose one (the field "specrt": {"method": ...}).')
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")

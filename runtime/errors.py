@@ -19,3 +19,8 @@ class InputError(SpecrtError):
 
 class BackendError(SpecrtError):
     pass
+
+
+class DeviceError(BackendError):
+    """The engine set and the device do not go together (built for CUDA where there is none, or for the CPU and
+    asked to run on CUDA)."""
