@@ -100,6 +100,18 @@ def default_generator(default_engines):
     return Generator.from_engines(default_engines)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The near ties that greedy comparisons accepted, each with its logit gap (greedy_check.report_tie)."""
+    import greedy_check
+    if not greedy_check.COMPARED[0] and not greedy_check.NEAR_TIES:
+        return
+    terminalreporter.section("near ties")
+    terminalreporter.line(f"{len(greedy_check.NEAR_TIES)} near ties in {greedy_check.COMPARED[0]} greedy comparisons "
+                          f"(first differences with a logit gap below {greedy_check.TIE_GAP})")
+    for line in greedy_check.NEAR_TIES:
+        terminalreporter.line(line)
+
+
 def load_prompts(n: int) -> list[str]:
     import json
     rows = (REPO / "runtime" / "data" / "mt_bench.jsonl").read_text().splitlines()
