@@ -13,9 +13,9 @@ from onnx import TensorProto, helper
 
 from conftest import export_tiny_with_heads
 from greedy_check import assert_same_or_tie
-from specrt.engines.base import OrtEngine, bind_tensor, cuda_missing, pick_device
+from specrt.engines.base import OrtEngine, bind_tensor, built_for, cuda_missing, engine_set_device, pick_device
 from specrt.decoding.drafters import chain_mask
-from specrt.errors import BackendError
+from specrt.errors import BackendError, DeviceError
 from specrt.export.build import build
 from specrt.decoding.eagle import DynamicTree
 from specrt.decoding.generate import METHODS, Generator
@@ -192,6 +192,8 @@ def test_bfloat16_build_writes_bfloat16_graphs(engine_sets, tmp_path):
         == {TensorProto.BFLOAT16}
     assert {o.name: o.type.tensor_type.elem_type for o in g.output}["logits"] == TensorProto.FLOAT
     assert {i.name: i.type.tensor_type.elem_type for i in g.input}["k_cache_0"] == TensorProto.BFLOAT16
+    with pytest.raises(DeviceError, match=r"--device cpu: .*bf16 holds bfloat16 engines.*CUDA only"):
+        Generator.from_engines(bf, device="cpu")   # refused by name, not a failed session load
 
 
 def test_bad_build_options_are_clear(engine_sets):
@@ -296,6 +298,29 @@ def test_binding_a_tensor_on_another_device_is_refused(engine_sets):
     with pytest.raises(BackendError, match="input_ids"):
         plain.forward(torch.zeros(1, 1, dtype=torch.int64, device="meta"), torch.zeros(1, 1, dtype=torch.int64),
                       cache.past_len, chain_mask(1, 1), 1, cache)
+
+
+def test_auto_follows_the_device_the_set_was_built_for(engine_sets):
+    cpu, cuda, _ = engine_sets
+    assert (built_for(read_manifest(cpu)), built_for(read_manifest(cuda))) == ("cpu", "cuda")
+    assert engine_set_device(read_manifest(cpu), cpu, "auto") == "cpu"   # on a GPU machine too
+    assert Generator.from_engines(cpu).target.device.type == "cpu"
+    with pytest.raises(DeviceError, match=r"--device cuda: .*built for the CPU.*--device cuda`\), or use --device cpu"):
+        Generator.from_engines(cpu, device="cuda")   # whether or not this machine has CUDA
+
+
+@pytest.mark.skipif(cuda_missing() is None, reason="this machine can run CUDA engines")
+def test_a_cuda_set_on_a_machine_without_cuda_is_a_named_error(engine_sets):
+    """--device auto on a set built for CUDA, where there is none: a DeviceError that says what is missing and the
+    fixes (the CPU provider would run float32 width graphs, far from what the set was built for, and fail on
+    bfloat16 ones); the command line prints it as one line."""
+    from click.testing import CliRunner
+    from specrt.cli import main
+    _, cuda, _ = engine_sets
+    with pytest.raises(DeviceError, match=r"built for CUDA, and torch has no CUDA here.*specrt\[gpu\].*specrt build"):
+        Generator.from_engines(cuda)
+    out = CliRunner().invoke(main, ["generate", str(cuda), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    assert out.exit_code == 1 and "built for CUDA" in out.output and "Traceback" not in out.output
 
 
 @pytest.mark.skipif(cuda_missing() is None, reason="this machine can run CUDA engines")

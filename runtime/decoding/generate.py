@@ -14,7 +14,7 @@ import torch
 
 from specrt.decoding import verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import OrtHeads, pick_device
+from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.decoding.eagle import DynamicTree, EagleDrafter
@@ -214,7 +214,7 @@ class Generator:
         if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"]:
             raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
                                 f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
-        device = pick_device(device)
+        device = engine_set_device(manifest, directory, device)
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.errors import BackendError
+from specrt.errors import BackendError, DeviceError
 from specrt.engines.kv_cache import KVCache
 from specrt.engines.manifest import WRITTEN, logits_width
 
@@ -321,7 +321,6 @@ def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.de
     bind(name, device.type, device.index or 0, ONNX_TYPES[t.dtype], list(t.shape), t.data_ptr())
 
 
-
 def pick_device(requested: str = "auto") -> str:
     """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" where they cannot is an
     error that says what is missing and the fix."""
@@ -336,6 +335,47 @@ def pick_device(requested: str = "auto") -> str:
     if requested != "cpu":
         raise BackendError(f"--device {requested!r}: expected auto, cpu or cuda")
     return requested
+
+
+def built_for(manifest: dict) -> str:
+    """The device an engine set was built for: "cuda" (`specrt build --device cuda`, or TensorRT engines), else
+    "cpu"."""
+    entries = [spec.get("engine", {}) for spec in manifest["models"].values()]
+    return "cuda" if any(e.get("device") == "cuda" or e.get("backend") == "tensorrt" for e in entries) else "cpu"
+
+
+def _cuda_only(manifest: dict) -> str | None:
+    """Which of an engine set's engines cannot run on the CPU provider, or None."""
+    entries = [spec.get("engine", {}) for spec in manifest["models"].values()]
+    if any(e.get("backend") == "tensorrt" for e in entries):
+        return "TensorRT engines"
+    if any(e.get("dtype") == "bfloat16" for e in entries):
+        return "bfloat16 engines (ONNX Runtime has no bfloat16 CPU kernels)"
+    return None
+
+
+def engine_set_device(manifest: dict, directory, requested: str = "auto") -> str:
+    """The device to run an engine set on. "auto": the one it was built for, which must be here. An explicit
+    device must suit the set: CPU engines do not run on CUDA; CUDA-built ONNX Runtime engines run on the CPU
+    provider (float32 and float16: how their graphs are checked without a GPU), except bfloat16 ones and TensorRT
+    engines."""
+    built = built_for(manifest)
+    if requested == "auto":
+        missing = cuda_missing() if built == "cuda" else None
+        if missing:
+            raise DeviceError(f"{directory} was built for CUDA, and {missing}: run it on a machine with an NVIDIA "
+                              "GPU and the GPU extra (pip install 'specrt[gpu]'), or build it for the CPU "
+                              f"(`specrt build {directory}`)")
+        return built
+    kind = requested.split(":")[0]
+    if kind == "cuda" and built == "cpu":
+        raise DeviceError(f"--device {requested}: {directory} was built for the CPU: build it for CUDA (`specrt "
+                          f"build {directory} --device cuda`), or use --device cpu (or auto)")
+    cuda_only = _cuda_only(manifest) if kind == "cpu" else None
+    if cuda_only:
+        raise DeviceError(f"--device cpu: {directory} holds {cuda_only}, which run on CUDA only: use --device cuda "
+                          f"(or auto) on a GPU machine, or build the set for the CPU (`specrt build {directory}`)")
+    return pick_device(requested)
 
 
 def cuda_missing() -> str | None:

@@ -49,7 +49,7 @@ class BenchConfig:
     out: Path = Path("bench-out")
     seed: int = 0
     threads: int | None = None
-    device: str = "auto"                 # the engines' device; the transformers peers run there too
+    device: str = "auto"                 # the engines' device (auto: the one they were built for); the peers' too
     llamacpp: bool | None = None         # None: with the peers, where llama-cpp-python is installed
     memory: bool = True                  # peak memory of each method and peer, one fresh process each
     compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
@@ -218,7 +218,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
     models = gen.manifest["models"]
     peers = _peers(cfg, models, bench.notes)
-    llama = _llamacpp(cfg, models["target"], bench)
+    llama = _llamacpp(cfg, models["target"], bench, gen.target.device.type)
     target = load_source(models["target"]["source"]).model.to(gen.target.device)
     assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
     bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
@@ -348,7 +348,7 @@ def _peers(cfg: BenchConfig, models: dict, notes: list[str]) -> list[str]:
     return names
 
 
-def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
+def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench, device: str):
     """The llama.cpp peer; None with a note where it was not asked for and cannot run, an error where it was."""
     if not (cfg.peers if cfg.llamacpp is None else cfg.llamacpp):
         return None
@@ -361,8 +361,7 @@ def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
         raise BackendError(f"--llamacpp: llama-cpp-python is not installed: {llamacpp.INSTALL}")
     peer = llamacpp.LlamaCpp(llamacpp.gguf_file(target), target["max_seq_len"], bench.info["threads"])
     bench.info["versions"]["llama_cpp_python"] = llamacpp.version()
-    from specrt.engines.base import pick_device
-    if pick_device(cfg.device) != "cpu":
+    if device != "cpu":
         bench.notes.append("llama.cpp runs on the CPU (llama-cpp-python as pip builds it by default)")
     return peer
 
@@ -431,7 +430,7 @@ def _import_code(spec: dict) -> None:
 
 def _load_system(spec: dict):
     """Load one system as the bench does; return run(ids, seed) -> its run row."""
-    from specrt.engines.base import pick_device
+    from specrt.engines.base import engine_set_device
     from specrt.export.sources import load_source
     from specrt.decoding.generate import Generator
     from specrt.engines.manifest import read_manifest
@@ -441,11 +440,12 @@ def _load_system(spec: dict):
     if spec["system"].startswith("specrt"):
         gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
         return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
-    models = read_manifest(spec["engines"])["models"]
+    manifest = read_manifest(spec["engines"])
+    models = manifest["models"]
     if spec["system"] == LLAMACPP[0]:
         peer = llamacpp.LlamaCpp(llamacpp.gguf_file(models["target"]), models["target"]["max_seq_len"], threads)
         return lambda ids, seed: run_llamacpp(peer, ids, temp, new, seed, eos)
-    device = pick_device(spec["device"])
+    device = engine_set_device(manifest, spec["engines"], spec["device"])   # where the engines run, as in the bench
     target = load_source(models["target"]["source"]).model.to(device)
     assistant = load_source(models["draft"]["source"]).model.to(device) if spec["method"] == "hf-assisted" else None
     return lambda ids, seed: run_peer(target, ids, spec["method"], temp, new, seed, eos, assistant)
@@ -482,7 +482,8 @@ def _csv(kind):
                    "timed runs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the device the engine set was built for), cpu or cuda; the peers run there too.")
 @click.option("--compare", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Another engine set of the same target (e.g. built with --target-weights int4) whose methods run "
                    "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
