@@ -93,11 +93,11 @@ def check_device(device: str) -> None:
         raise BackendError(f"--device {device!r}: expected cuda or cpu")
     if device == "cpu":
         return
-    import onnxruntime as ort
-    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise BackendError("gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
-                           f"(providers here: {', '.join(ort.get_available_providers())}): pip install "
-                           "'specrt[gpu]' in place of 'specrt[cpu]'; --device cpu runs the same check on the CPU")
+    from specrt.backends import cuda_missing
+    missing = cuda_missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
+    if missing:
+        raise BackendError(f"gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
+                           f"whose CUDA provider starts: {missing} (--device cpu runs the same check on the CPU)")
 
 
 def _random_llama(shape: dict, directory: Path, seed: int):
@@ -210,6 +210,15 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
                        max_logit_diff=float((a - b).abs().max()), ok=max(gaps) < TIE_GAP)
         rows.append(row | {"stats": _round_stats(out.stats)})
     return rows
+
+
+def width_fallbacks(gen) -> dict:
+    """Per model with width graphs, the widths whose graph ONNX Runtime refused (or whose pass failed) and why:
+    their passes run a wider graph or the dynamic one (see specrt.static_engine)."""
+    from specrt.static_engine import StaticWidthEngine
+    engines = {"target": gen.target, **{role: getattr(gen, role) for role in ("draft", "eagle") if gen.has(role)}}
+    return {role: {str(w): why for w, why in engine.fallbacks.items()} for role, engine in engines.items()
+            if isinstance(engine, StaticWidthEngine)}
 
 
 def _round_stats(s: dict) -> dict:
@@ -345,6 +354,9 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
     with progress.step(f"build {cfg.device} float32 engines"):
         sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
         dev = Generator.from_engines(sets["float32"], device=cfg.device)
+    report["width_fallbacks"] = width_fallbacks(dev)
+    for line in (f"{role} width {w}: {why}" for role, got in report["width_fallbacks"].items() for w, why in got.items()):
+        progress.log(f"    width graph not used: {line}")
     prompts = prompt_ids(cpu, cfg.prompts)
     with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
         report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)

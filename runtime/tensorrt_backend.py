@@ -164,9 +164,9 @@ class TensorRTEngine:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached positions
-        (synchronised)."""
+        (synchronised); `extra`: further inputs (an EAGLE drafter's features)."""
         from specrt.adaptive import measure
         from specrt.drafters import chain_mask
         cache = self.new_cache(batch, context + k)
@@ -177,6 +177,6 @@ class TensorRTEngine:
         stream = torch.cuda.current_stream(self.device)
 
         def one_pass():
-            self.forward(ids, pos, cache.past_len, mask, k, cache)
+            self.forward(ids, pos, cache.past_len, mask, k, cache, **extra)
             stream.synchronize()
         return measure(one_pass, reps)
