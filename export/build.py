@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from specrt.errors import BackendError
-from specrt.manifest import check_file, file_entry, read_manifest, write_manifest
+from specrt.engines.manifest import check_file, file_entry, read_manifest, write_manifest
 
 
 def tensorrt_available() -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from specrt.manifest import check_file, file_entry, logits_width
+from specrt.engines.manifest import check_file, file_entry, logits_width
 from specrt.plugins.tree_attention import attach_function
 
 KEPT_FLOAT32 = ["logits", "hidden", "features"]   # an EAGLE drafter reads the target's float32 features

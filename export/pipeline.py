@@ -12,7 +12,7 @@ from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
-from specrt.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manifest
+from specrt.engines.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manifest
 
 DEFAULT_MAX_SEQ_LEN = 2048
 

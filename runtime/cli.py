@@ -137,7 +137,7 @@ def sampling_options(f):
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
              top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
     """Generate from ENGINES."""
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
         raise click.UsageError("--stream prints one sequence as text: drop --json, --num-return-sequences and the "
                                "other --prompt")
@@ -201,10 +201,10 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
            alpha, seed, device):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed)."""
-    from specrt.bench import load_prompts
-    from specrt.check import Report, check_greedy, check_sampling
-    from specrt.generate import Generator
-    from specrt.sampling import SamplingParams
+    from specrt.measurement.bench import load_prompts
+    from specrt.measurement.check import Report, check_greedy, check_sampling
+    from specrt.decoding.generate import Generator
+    from specrt.decoding.sampling import SamplingParams
     try:
         gen = Generator.from_engines(engines, device=device)
         if gen.tokenizer is not None:
@@ -250,9 +250,9 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
 def compare(engines, other, num_prompts, max_new_tokens, device):
     """Greedy output of the targets of ENGINES and OTHER (e.g. int4 and float32 builds of one export): how
     many tokens agree, and at the first difference both targets' logit gaps between the two tokens."""
-    from specrt.bench import load_prompts
-    from specrt.check import compare_engines
-    from specrt.generate import Generator
+    from specrt.measurement.bench import load_prompts
+    from specrt.measurement.check import compare_engines
+    from specrt.decoding.generate import Generator
     try:
         gen, ref = Generator.from_engines(engines, device=device), Generator.from_engines(other, device=device)
         prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)] if gen.tokenizer is not None \
@@ -278,8 +278,8 @@ def compare(engines, other, num_prompts, max_new_tokens, device):
 def tune_tree(engines, method, max_nodes, width, device):
     """Choose the candidate tree for METHOD automatically (acceptance per depth and rank on calibration
     prompts, verification cost measured here) and save it with ENGINES; generate uses it by default."""
-    from specrt.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
-    from specrt.generate import Generator
+    from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
+    from specrt.decoding.generate import Generator
     try:
         gen = Generator.from_engines(engines, device=device)
         if not gen.has(method):
@@ -291,7 +291,7 @@ def tune_tree(engines, method, max_nodes, width, device):
         prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else
                    [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(6)])
         if method == "eagle":   # a dynamic tree: its shape (top-k, depth, nodes), recorded in the manifest
-            from specrt.eagle import save_shape, tune
+            from specrt.decoding.eagle import save_shape, tune
             shape = tune(gen, prompts, log=_log)
             save_shape(gen.directory, shape)
             click.echo(f"saved the EAGLE tree shape {shape} in {gen.directory}")
@@ -325,7 +325,7 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
     one JSON file. Needs an NVIDIA GPU and onnxruntime-gpu (pip install 'specrt[gpu]')."""
     from pathlib import Path
 
-    from specrt.gpu_check import CheckConfig, run_gpu_check
+    from specrt.measurement.gpu_check import CheckConfig, run_gpu_check
     cfg = CheckConfig(device=device, random_weights=random_weights, tiny=tiny, prompts=prompts,
                       max_new_tokens=max_new_tokens, context=context, reps=reps, budget_s=budget_s,
                       work=Path(work) if work else None)
@@ -355,7 +355,7 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch):
     turns itself off at batch sizes where a verify pass no longer pays. Needs the serve extra:
     pip install 'specrt[serve]'."""
     try:
-        from specrt.serve import serve as run
+        from specrt.serving.server import serve as run
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
@@ -381,7 +381,7 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
     batch size (how often each size speculated). Needs the serve extra."""
     from pathlib import Path
-    from specrt.serve_bench import bench_serve as run
+    from specrt.measurement.serve_bench import bench_serve as run
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:
@@ -394,7 +394,7 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
 
 
 def _register_bench():
-    from specrt.bench import bench
+    from specrt.measurement.bench import bench
     main.add_command(bench)
 
 

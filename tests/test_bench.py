@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import export_tiny, tiny_model
-from specrt import llamacpp, rss
-from specrt.bench import bench, load_prompts
+from specrt.measurement import llamacpp, rss
+from specrt.measurement.bench import bench, load_prompts
 from specrt.errors import InputError
 
 VOCAB, NEW = 256, 8

@@ -14,15 +14,15 @@ from onnx import TensorProto, helper
 
 from conftest import export_tiny_with_heads, tiny_model
 from greedy_check import assert_same_or_tie
-from specrt.backends import OrtEngine, OrtHeads, bind_tensor, cuda_missing, pick_device
-from specrt.drafters import chain_mask
+from specrt.engines.base import OrtEngine, OrtHeads, bind_tensor, cuda_missing, pick_device
+from specrt.decoding.drafters import chain_mask
 from specrt.errors import BackendError
 from specrt.export.build import build
-from specrt.eagle import DynamicTree
-from specrt.generate import METHODS, Generator
-from specrt.manifest import file_entry, read_manifest, sha256_file, write_manifest
+from specrt.decoding.eagle import DynamicTree
+from specrt.decoding.generate import METHODS, Generator
+from specrt.engines.manifest import file_entry, read_manifest, sha256_file, write_manifest
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
-from specrt.static_engine import StaticWidthEngine
+from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
 
 V = 48
@@ -212,7 +212,7 @@ def test_width_graphs_that_fail_fall_back_to_the_dynamic_graph(engine_sets, tmp_
                                             helper.make_node("Gather", [x, "bad_index"], [y], axis=1)])
     plain, _ = engines(cpu, cuda)
     spec = read_manifest(broken)["models"]["target"]
-    with caplog.at_level(logging.WARNING, logger="specrt.static_engine"):
+    with caplog.at_level(logging.WARNING, logger="specrt.engines.static"):
         static = StaticWidthEngine(broken / spec["engine"]["file"], spec)
         assert set(static.sessions) == {1, 2, 4} and "NoSuchOp" in static.fallbacks[8]
         for k in (3, 6, 1):

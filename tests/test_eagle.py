@@ -7,15 +7,15 @@ import torch
 
 from conftest import tiny_model
 from greedy_check import assert_same_or_tie
-from specrt import eagle, verification
-from specrt.adaptive import TreePolicy
-from specrt.drafters import chain_mask
-from specrt.eagle import DynamicTree, EagleDrafter
+from specrt.decoding import eagle, verification
+from specrt.decoding.adaptive import TreePolicy
+from specrt.decoding.drafters import chain_mask
+from specrt.decoding.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError
 from specrt.export.eagle import load_eagle, new_eagle, save_eagle
 from specrt.export.model import from_hf
-from specrt.generate import Batch, Generator
-from specrt.sampling import SamplingParams
+from specrt.decoding.generate import Batch, Generator
+from specrt.decoding.sampling import SamplingParams
 from test_speculative import N, P_MIN, V, chi_square_p, exact_joint, sample_first3
 
 MAX_LEN = 48
@@ -293,7 +293,7 @@ def test_lookup_chain_follows_the_candidates():
     assert new_score[0] == pytest.approx(np.log(0.6) + half * np.array([2, 3]))
     assert np.isneginf(new_score[1]).all() and scores[1, 3] == pytest.approx(np.log(0.05))
     # the verified tree kept the chain's first three nodes; the target accepted two of them
-    from specrt.tree import Tree
+    from specrt.decoding.tree import Tree
     tree = Tree.from_paths([(0,), (1,), (0, 1), (0, 1, 1)])
     lookup.offered(tree)
     lookup.update([[0, 1, 3, 4]], [2])
@@ -434,7 +434,7 @@ def test_bad_inputs(eagle_pair, tmp_path):
 
 
 def test_tune_records_a_shape(eagle_pair):
-    from specrt.eagle import save_shape, tune
+    from specrt.decoding.eagle import save_shape, tune
     gen, _, _ = eagle_pair
     shapes = (DynamicTree(2, 3, 4), DynamicTree(3, 3, 8))
     lines = []
@@ -467,8 +467,8 @@ def test_tree_size_follows_the_costs():
     """A round verifies the node count with the most expected tokens per second: every node where passes cost
     the same, the single best where each node costs a plain step; another level grows only while its best case
     pays for its drafter pass."""
-    from specrt.adaptive import Costs
-    from specrt.eagle import _best_size
+    from specrt.decoding.adaptive import Costs
+    from specrt.decoding.eagle import _best_size
     flat, steep = Costs(0.0, {1: 1.0, 17: 1.0}), Costs(0.0, {1: 1.0, 17: 17.0})
     probs = np.array([0.9, 0.5, 0.3, 0.1, 0.05])
     assert _best_size(flat, probs, 0.1) == 5 and _best_size(steep, probs, 0.1) == 1
@@ -487,7 +487,7 @@ def test_sized_trees_keep_the_target_output(eagle_pair, monkeypatch, costs):
     """Trees sized round by round (adaptive) give the target's greedy tokens, and at T = 1 its distribution;
     the sizes really vary (and with free nodes the depths: the random drafter's guesses are rarely worth a
     second level)."""
-    from specrt.adaptive import Costs
+    from specrt.decoding.adaptive import Costs
     gen, model, _ = eagle_pair
     shaped(gen, top_k=3, depth=4, nodes=10)
     verify = {1: 1.0, 11: 1.0 if costs == "flat" else 1.5}
@@ -520,7 +520,7 @@ def test_bench_reports_the_drafter_cost(eagle_pair, tmp_path):
 
     from click.testing import CliRunner
 
-    from specrt.bench import bench
+    from specrt.measurement.bench import bench
     gen, _, tmp = eagle_pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3, 1, 2]}) + "\n")

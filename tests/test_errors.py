@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_model
 from specrt.errors import InputError, ManifestError, UnknownSourceError
 from specrt.export.pipeline import export_engines
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 
 
 def test_prompt_longer_than_engine(tiny_engines):

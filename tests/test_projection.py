@@ -1,11 +1,11 @@
-"""EAGLE's projected speedup (specrt.projection): the trace records what the target accepted, the replay follows
+"""EAGLE's projected speedup (specrt.measurement.projection): the trace records what the target accepted, the replay follows
 the costs it is given, and the shipped drafter's traces load."""
 from __future__ import annotations
 
 import pytest
 
-from specrt import projection
-from specrt.adaptive import Costs
+from specrt.measurement import projection
+from specrt.decoding.adaptive import Costs
 from specrt.errors import InputError
 from test_eagle import eagle_pair  # noqa: F401  (the fixture)
 

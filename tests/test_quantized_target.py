@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from conftest import export_tiny_with_heads
 from specrt.export.build import build
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 
 METHODS = [("draft", {}), ("ngram", {}), ("medusa", {}), ("draft", {"tree": True})]
 
@@ -55,7 +55,7 @@ def test_a_lone_token_runs_as_a_row_of_a_larger_pass(quantized):
     the CPU's MatMulNBits kernel for a single row rounds differently (found at load), it runs as two tokens, its
     caches keep a spare slot for the copy, and nothing before the token's own slot changes."""
     import torch
-    from specrt.drafters import chain_mask
+    from specrt.decoding.drafters import chain_mask
     _, directory = quantized
     target = Generator.from_engines(directory).target
     prompt, steps = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5]
@@ -96,7 +96,7 @@ def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
 
 def test_compare_with_the_float32_target(quantized, tmp_path):
     """`specrt compare`: where the quantized and float32 targets first differ, with both logit gaps there."""
-    from specrt.check import compare_engines
+    from specrt.measurement.check import compare_engines
     _, directory = quantized
     ref_dir, _ = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)
     gen, ref = Generator.from_engines(directory), Generator.from_engines(ref_dir)
@@ -229,7 +229,7 @@ def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
 def test_smollm2_int4_eagle_with_lookup_chains_keeps_its_own_greedy_output(smollm2_int4, monkeypatch):
     """Chains only: prompt lookup's chain replaces the drafter's in the rows where it promises more (text that
     quotes its prompt), and the output stays the engine's own."""
-    from specrt import eagle
+    from specrt.decoding import eagle
     chosen, offered = [0], eagle.PromptLookup.offered
 
     def counted(self, tree):

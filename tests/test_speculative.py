@@ -8,12 +8,12 @@ from scipy.stats import chisquare
 
 from conftest import export_tiny, tiny_model
 from greedy_check import assert_same_or_tie
-from specrt import verification
-from specrt.adaptive import Costs, GammaPolicy
-from specrt.generate import Generator
-from specrt.sampling import (SamplingParams, argmax, draw_host, probs, sample, softmax_host, top_k_ids,
+from specrt.decoding import verification
+from specrt.decoding.adaptive import Costs, GammaPolicy
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import (SamplingParams, argmax, draw_host, probs, sample, softmax_host, top_k_ids,
                              top_k_in_place)
-from specrt.tree import Tree
+from specrt.decoding.tree import Tree
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
 N = 20000       # samples per test: enough to catch a 2% error

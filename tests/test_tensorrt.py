@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from specrt.backends import OrtEngine, TensorRTEngine
+from specrt.engines.base import OrtEngine
+from specrt.engines.tensorrt import TensorRTEngine
 from specrt.errors import BackendError
 from specrt.export.build import tensorrt_available
 from specrt.plugins.tensorrt_plugin import load_tensorrt, tree_attention_static
 from specrt.plugins.tree_attention import reference
-from specrt.static_engine import StaticWidthEngine
+from specrt.engines.static import StaticWidthEngine
 
 MISSING = "TensorRT not installed (cannot be installed on these machines)"
 needs_tensorrt = pytest.mark.skipif(not (tensorrt_available() and torch.cuda.is_available()), reason=MISSING)

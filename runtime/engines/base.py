@@ -4,16 +4,17 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specrt.errors import BackendError
-from specrt.kv_cache import KVCache
-from specrt.manifest import WRITTEN, logits_width
-from specrt.tensorrt_backend import TensorRTEngine  # noqa: F401  (the backend of TensorRT engine sets)
+from specrt.engines.kv_cache import KVCache
+from specrt.engines.manifest import WRITTEN, logits_width
 
 
 ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.bool: 9}  # TensorProto
@@ -109,7 +110,7 @@ class OrtEngine:
     name = "onnxruntime"
 
     def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None, weights=None):
-        """`weights`: a SharedWeights (see specrt.static_engine) whose values stand for the graph's stored
+        """`weights`: a SharedWeights (see specrt.engines.static) whose values stand for the graph's stored
         weights, shared with other sessions."""
         try:
             import onnxruntime as ort
@@ -199,7 +200,6 @@ class OrtEngine:
     def _lone_rows_agree(self) -> bool:
         """Whether a one-token pass gives the logits that the same token gets as the first row of a two-token
         pass, bit for bit (four passes over a few tokens, at load)."""
-        from specrt.drafters import chain_mask
         outputs = []
         for ids in ([3], [3, 5]):
             cache = self.new_cache(1, 6)
@@ -257,7 +257,6 @@ class OrtEngine:
 
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:
         """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""
-        from specrt.drafters import chain_mask
         cache = self.new_cache(1, len(ids) + 1)
         S, dev = len(ids), self.device
         return self.forward(torch.tensor([ids], device=dev), torch.arange(S, device=dev)[None], cache.past_len,
@@ -266,8 +265,6 @@ class OrtEngine:
     def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached
         positions; `extra`: further inputs (an EAGLE drafter's features)."""
-        from specrt.adaptive import measure
-        from specrt.drafters import chain_mask
         cache = self.new_cache(batch, context + k)
         cache.truncate(max(context, 0))
         dev = self.device
@@ -350,15 +347,6 @@ def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.de
     bind(name, device.type, device.index or 0, ONNX_TYPES[t.dtype], list(t.shape), t.data_ptr())
 
 
-def engine_class(entry: dict):
-    """The backend class for a model's manifest engine entry."""
-    if entry.get("backend") == "tensorrt":
-        return TensorRTEngine
-    if entry.get("widths"):
-        from specrt.static_engine import StaticWidthEngine
-        return StaticWidthEngine
-    return OrtEngine
-
 
 def pick_device(requested: str = "auto") -> str:
     """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" where they cannot is an
@@ -410,3 +398,27 @@ def cuda_provider_problem(ort, device_id: int = 0) -> str | None:
     if "CUDAExecutionProvider" not in session.get_providers():
         return cuda_fallback(session.get_providers())
     return None
+
+
+def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
+    """Lower-triangular (B, S, S) mask; the small ones of the decode loop are built once per shape (read only:
+    they are bound as engine inputs)."""
+    build = _cached_chain_mask if batch * size * size <= 1 << 16 else _chain_mask
+    return build(batch, size, device)
+
+
+def _chain_mask(batch: int, size: int, device) -> torch.Tensor:
+    return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
+
+
+_cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
+
+
+def measure(fn, reps: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best

@@ -7,7 +7,7 @@
    two engines' logit gap at the first difference);
 4. every method on the device: completes, and its greedy tokens equal the device target's own; host time a round;
 5. target pass times over k = 1..64 tokens for each dtype (float16 and bfloat16 engines built when reached), and
-   EAGLE's speedup projected from them (specrt.projection: the shipped drafter's acceptance, recorded on the CPU,
+   EAGLE's speedup projected from them (specrt.measurement.projection: the shipped drafter's acceptance, recorded on the CPU,
    against this device's target and drafter passes and the loop's host time of step 4; measured as well where
    the real weights are installed).
 Each step prints a progress line; the JSON is rewritten after each, so a stopped run keeps what it measured.
@@ -93,7 +93,7 @@ def check_device(device: str) -> None:
         raise BackendError(f"--device {device!r}: expected cuda or cpu")
     if device == "cpu":
         return
-    from specrt.backends import cuda_missing
+    from specrt.engines.base import cuda_missing
     missing = cuda_missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
     if missing:
         raise BackendError(f"gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
@@ -173,7 +173,7 @@ def build_copy(exported: Path, directory: Path, device: str, dtype: str, log) ->
 def prompt_ids(gen, n: int, seed: int = 0) -> list[list[int]]:
     """MT-Bench prompts where the engine set has a tokenizer, else fixed random ids."""
     if gen.tokenizer is not None:
-        from specrt.bench import load_prompts
+        from specrt.measurement.bench import load_prompts
         return [gen.encode(p.text) for p in load_prompts(None, n)]
     g = torch.Generator().manual_seed(seed)
     V = gen.target.spec["vocab_size"]
@@ -189,7 +189,7 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     """`candidate`'s greedy tokens (method and options `kw`) against `reference`'s target alone; at the first
     difference, both engines' logits there: each one's gap between the two tokens, and their largest
     difference. `refs` keeps the reference's tokens between calls."""
-    from specrt.check import TIE_GAP
+    from specrt.measurement.check import TIE_GAP
     refs = {} if refs is None else refs
     rows = []
     for ids in prompts:
@@ -214,8 +214,8 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
 
 def width_fallbacks(gen) -> dict:
     """Per model with width graphs, the widths whose graph ONNX Runtime refused (or whose pass failed) and why:
-    their passes run a wider graph or the dynamic one (see specrt.static_engine)."""
-    from specrt.static_engine import StaticWidthEngine
+    their passes run a wider graph or the dynamic one (see specrt.engines.static)."""
+    from specrt.engines.static import StaticWidthEngine
     engines = {"target": gen.target, **{role: getattr(gen, role) for role in ("draft", "eagle") if gen.has(role)}}
     return {role: {str(w): why for w, why in engine.fallbacks.items()} for role, engine in engines.items()
             if isinstance(engine, StaticWidthEngine)}
@@ -230,7 +230,7 @@ def _round_stats(s: dict) -> dict:
 
 
 def method_runs() -> list[tuple[str, dict]]:
-    from specrt.generate import METHODS
+    from specrt.decoding.generate import METHODS
     runs = [(m, {"method": m}) for m in METHODS]
     return runs + [("draft-tree", {"method": "draft", "tree": True})]
 
@@ -260,13 +260,13 @@ def pass_times(gen, context: int, reps: int) -> dict:
 
 
 def eagle_projection(gen, methods: dict, passes: dict, context: int, reps: int, real_weights: bool) -> dict:
-    """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.projection):
+    """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.measurement.projection):
     the shipped drafter's acceptance traces (SmolLM2-135M-Instruct, MT-Bench dev prompts, recorded on the CPU at
     T = 0 and 0.7) replayed against the target's passes of step 5 (`passes`), one drafter pass over a tree level
     timed here the same way, and the loop's host time a round of the method checks (`methods`). With the real
     weights, also the speedup the method checks measured (a few short answers: an indication)."""
-    from specrt import projection
-    from specrt.adaptive import Costs
+    from specrt.measurement import projection
+    from specrt.decoding.adaptive import Costs
     host = {m: (methods.get(m) or {}).get("host_ms_per_round") or 0.0 for m in ("eagle", "autoregressive")}
     out = {"trace": "the shipped SmolLM2-135M EAGLE drafter's, recorded on the CPU", "host_ms_per_round": host}
     traces = {t: projection.load(projection.shipped_trace(t)) for t in (0.0, 0.7)}
@@ -341,7 +341,7 @@ def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
 
 
 def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: Path) -> None:
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
     with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
         src = sources(cfg, work)
         report["weights"] = src["weights"]

@@ -21,10 +21,10 @@ import click
 import numpy as np
 import torch
 
-from specrt import llamacpp, rss
+from specrt.measurement import llamacpp, rss
+from specrt.measurement.report import PEER_LOOKUP_TOKENS
 from specrt.errors import BackendError, InputError, SpecrtError
 
-PEER_LOOKUP_TOKENS = 8   # transformers' prompt_lookup_num_tokens, the same cap as specrt's adaptive γ
 LLAMACPP = ("llama.cpp", "generate")   # the llama.cpp row's (system, method)
 
 
@@ -200,13 +200,13 @@ class _Setup:
     peers: list[str]
     prompts: list[Prompt]
     ids: list[list[int]]
-    llamacpp: object | None      # specrt.llamacpp.LlamaCpp
+    llamacpp: object | None      # specrt.measurement.llamacpp.LlamaCpp
     others: list = field(default_factory=list)   # (system name, Generator, methods) per --compare engine set
 
 
 def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
 
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     torch.set_num_threads(bench.info["threads"])
@@ -243,7 +243,7 @@ def _cost_entry(gen) -> dict:
     costs = gen.costs()
     entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
     if gen.has("eagle"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
-        from specrt.eagle import DynamicTree
+        from specrt.decoding.eagle import DynamicTree
         entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step
     return entry
 
@@ -256,7 +256,7 @@ def _system_name(gen, taken: list[str]) -> str:
 
 def run_bench(cfg: BenchConfig, progress=None) -> Bench:
     """Every prompt × temperature × (method, peer), interleaved per prompt; then the fixed-γ sweep."""
-    from specrt.backends import default_threads
+    from specrt.engines.base import default_threads
 
     bench = Bench(cfg, info=machine_info(cfg.threads or default_threads()))
     s = _setup(cfg, bench)
@@ -323,7 +323,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
 
 def _runnable(gen, method: str, notes: list[str]) -> bool:
-    from specrt.generate import METHODS
+    from specrt.decoding.generate import METHODS
     if method not in METHODS and method not in TREE_METHODS:
         raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
     if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
@@ -361,7 +361,7 @@ def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
         raise BackendError(f"--llamacpp: llama-cpp-python is not installed: {llamacpp.INSTALL}")
     peer = llamacpp.LlamaCpp(llamacpp.gguf_file(target), target["max_seq_len"], bench.info["threads"])
     bench.info["versions"]["llama_cpp_python"] = llamacpp.version()
-    from specrt.backends import pick_device
+    from specrt.engines.base import pick_device
     if pick_device(cfg.device) != "cpu":
         bench.notes.append("llama.cpp runs on the CPU (llama-cpp-python as pip builds it by default)")
     return peer
@@ -392,11 +392,11 @@ def _memory_specs(cfg: BenchConfig, s: _Setup, bench: Bench) -> list[dict]:
 
 
 def measure_memory(spec: dict) -> dict:
-    """Peak resident memory of one method or peer, in a fresh process (`python -m specrt.bench --memory-child`)
+    """Peak resident memory of one method or peer, in a fresh process (`python -m specrt.measurement.bench --memory-child`)
     that imports what every system's process imports, loads only this system and generates on the bench's
     prompts at the first temperature. The high-water mark is reset after loading (transient load-time
     allocations are not counted, what loading left resident is); GPU memory is not counted."""
-    r = subprocess.run([sys.executable, "-m", "specrt.bench", "--memory-child"], input=json.dumps(spec),
+    r = subprocess.run([sys.executable, "-m", "specrt.measurement.bench", "--memory-child"], input=json.dumps(spec),
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise BackendError(f"peak memory of {spec['system']} {spec['method']}: the measuring process failed "
@@ -423,7 +423,7 @@ def _import_code(spec: dict) -> None:
     if spec["system"] == "transformers":
         import transformers.generation.utils  # noqa: F401
         from specrt.export.architectures import REGISTRY
-        from specrt.manifest import read_manifest
+        from specrt.engines.manifest import read_manifest
         getattr(transformers, REGISTRY[read_manifest(spec["engines"])["models"]["target"]["architecture"]].hf_class)
     elif spec["system"] == LLAMACPP[0]:
         import llama_cpp  # noqa: F401
@@ -431,10 +431,10 @@ def _import_code(spec: dict) -> None:
 
 def _load_system(spec: dict):
     """Load one system as the bench does; return run(ids, seed) -> its run row."""
-    from specrt.backends import pick_device
+    from specrt.engines.base import pick_device
     from specrt.export.sources import load_source
-    from specrt.generate import Generator
-    from specrt.manifest import read_manifest
+    from specrt.decoding.generate import Generator
+    from specrt.engines.manifest import read_manifest
 
     temp, new, eos, threads = spec["temperature"], spec["max_new"], spec["eos"], spec["threads"]
     torch.set_num_threads(threads)
@@ -494,7 +494,7 @@ def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specrt.report import terminal_table, write_outputs
+    from specrt.measurement.report import terminal_table, write_outputs
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
                       sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare))
     console = Console(stderr=True)

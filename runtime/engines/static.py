@@ -8,8 +8,9 @@ only itself) are computed and ignored, and the outputs are views [:S] of the wid
 `KVCache.write` writes S entries). Real nodes never see pad nodes, so their outputs are the same as in a pass of
 S. The one-row cache is the engine's own, at max_seq_len, so that its address never changes under the captured
 graphs: `new_cache(1)` returns it reset, and its `past_len` is bound as every width's input. Other shapes
-(prefill, several rows) run the dynamic graph of the same engine set, and so do the passes of a width whose
-graph ONNX Runtime refused (reason logged, and kept in `fallbacks`).
+(prefill, several rows) run the dynamic graph of the same engine set. A width whose graph ONNX Runtime refused,
+or whose pass failed (a capture that failed), is dropped with the reason logged and kept in `fallbacks`: its
+passes run the next width or the dynamic graph.
 
 One copy of the weights for all the sessions (the dynamic graph's and each width's): the graphs of a model keep
 their weights in one external file, and each stored tensor becomes one OrtValue on the device that every session
@@ -33,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.backends import OrtEngine, StepOutput, bind_tensor, check_providers, providers, session_options
-from specrt.kv_cache import KVCache
-from specrt.manifest import check_file, logits_width
+from specrt.engines.base import OrtEngine, StepOutput, bind_tensor, check_providers, providers, session_options
+from specrt.engines.kv_cache import KVCache
+from specrt.engines.manifest import check_file, logits_width
 
 log = logging.getLogger(__name__)
 

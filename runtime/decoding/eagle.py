@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from specrt.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
+from specrt.decoding.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.errors import InputError
-from specrt.sampling import top_k_in_place
-from specrt.tree import Tree
+from specrt.decoding.sampling import top_k_in_place
+from specrt.decoding.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class EagleDrafter:
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self.promise = [0.0, 0.0]         # decayed sums: the drafter's rounds' expected drafts (scaled), rounds
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
-        self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.projection)
+        self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
     pool = None   # the cache's rows for the whole batch, made at the first join
@@ -542,7 +542,7 @@ def _lineage(fed: list[tuple]) -> tuple[list, list, tuple]:
 
 
 def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
-    """A verified round of row 0 for specrt.projection: (kind, the nodes' scores, most probable first, their
+    """A verified round of row 0 for specrt.measurement.projection: (kind, the nodes' scores, most probable first, their
     depths, and the ranks in that order of the accepted nodes, root's child first)."""
     order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i])))
     rank = {paths[i]: r for r, i in enumerate(order)}
@@ -561,7 +561,7 @@ def level_pays(costs, probs: np.ndarray, frontier: np.ndarray, spent: float, lev
     """Whether another tree level can pay for itself: its k nodes together add at most the frontier's probability
     of tokens (`frontier`, scaled), for one more drafter pass (`level` seconds) and k more nodes to verify; grow
     while that bound beats the best tree of the candidates so far (`probs`, scaled, most probable first; `spent`:
-    the round's drafting so far). EagleDrafter's rounds and specrt.projection's replay both decide by it."""
+    the round's drafting so far). EagleDrafter's rounds and specrt.measurement.projection's replay both decide by it."""
     n = _best_size(costs, probs, spent)
     gain = 1 + probs[:n].sum()
     bound = gain + frontier.sum()
@@ -586,7 +586,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
     through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
     loop's own time per round."""
-    from specrt.calibrate import verify_costs
+    from specrt.decoding.calibrate import verify_costs
     measured = verify_costs(gen, sorted({1, 2, 8} | {s.nodes + 1 for s in shapes}))
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
     draft = gen.eagle
@@ -612,7 +612,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
 
 def save_shape(directory, shape: DynamicTree) -> None:
     """Record the shape in the engine set's manifest: generate uses it for --method eagle."""
-    from specrt.manifest import read_manifest, write_manifest
+    from specrt.engines.manifest import read_manifest, write_manifest
     manifest = read_manifest(directory)
     manifest["models"]["eagle"]["dynamic_tree"] = asdict(shape)
     write_manifest(directory, manifest)

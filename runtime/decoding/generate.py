@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt import verification
-from specrt.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.backends import OrtHeads, engine_class, pick_device
-from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
-from specrt.eagle import DynamicTree, EagleDrafter
+from specrt.decoding import verification
+from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
+from specrt.engines.base import OrtHeads, pick_device
+from specrt.engines.registry import engine_class
+from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
+from specrt.decoding.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
-from specrt.manifest import check_file, read_manifest
-from specrt.sampling import SamplingParams, argmax, probs, sample
-from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
+from specrt.engines.manifest import check_file, read_manifest
+from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
+from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 MAX_GAMMA = 8

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specrt.sampling import argmax, draw_host, sample, softmax_host
+from specrt.decoding.sampling import argmax, draw_host, sample, softmax_host
 
 
 def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from specrt.sampling import SamplingParams, probs
+from specrt.decoding.sampling import SamplingParams, probs
 
 TIE_GAP = 1e-3
 
