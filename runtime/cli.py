@@ -57,7 +57,7 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
-              show_default=True, help="auto: TensorRT where installed, ONNX Runtime otherwise.")
+              show_default=True, help="auto: ONNX Runtime. tensorrt: TensorRT engines (float16; not verified).")
 @click.option("--drafter-weights", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
               help="Weights of the draft model's and Medusa heads' ONNX Runtime engines. int8 reads a quarter of "
                    "the bytes per draft step; outputs do not change, since the float32 target verifies every "

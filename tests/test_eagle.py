@@ -545,3 +545,29 @@ def test_bench_reports_the_drafter_cost(eagle_pair, tmp_path):
     row = next(s for s in r["summary"] if s["method"] == "eagle")
     level, one = r["info"]["costs"]["eagle_level_s"], r["info"]["costs"]["verify_s"]["1"]
     assert level > 0 and row["c"] == pytest.approx(level / one)
+
+
+def test_device_path_reads_nothing_back(eagle_pair, monkeypatch):
+    """The rounds a GPU runs (here sampling with top-p, which takes the same device path on the CPU): the drafter's
+    catch-up, prompt lookup's bookkeeping and the tree's recursive rejection read no tensor back to the host
+    (the round's one read excepted; a pass shape comes from the host's copies), and the host's copy of the
+    drafter's cache lengths follows the cache through joins, a row's move and the rounds."""
+    from host_reads import counted
+    gen, _, _ = eagle_pair
+    shaped(gen, top_k=2, depth=3, nodes=6)
+    monkeypatch.setattr(eagle.PromptLookup, "min_n", 1)            # lookup chains in most rounds
+    lookups = count_lookup_nodes(monkeypatch)
+    reads, calls = [], []
+    for owner, name in ((EagleDrafter, "_catch_up"), (eagle.PromptLookup, "update"), (verification, "tree_sampled")):
+        monkeypatch.setattr(owner, name, counted(name, getattr(owner, name), reads, calls))
+    batch = gen.batch(2, method="eagle", adaptive=False, temperature=0.9, top_p=0.95, seed=1)
+    batch.add([5, 2, 8], 3, owner="first")
+    batch.add([3, 9, 1, 4, 1, 3, 9, 1], 14, owner="second")
+    moved = False
+    while batch.run.batch:
+        batch.step()
+        moved |= bool(batch.retire()) and batch.run.batch == 1
+        drafter, B = batch.drafter, batch.run.batch
+        assert drafter._past[:B].tolist() == drafter.pool.past_len[:B].tolist()
+    assert moved and lookups[0] > 0
+    assert {"_catch_up", "update", "tree_sampled"} <= set(calls) and not reads, reads

@@ -79,6 +79,7 @@ class _Run:
         self._hidden: torch.Tensor | None = None       # see hidden
         self._path_hidden: torch.Tensor | None = None  # see path_hidden
         self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
+        self.host_pass: tuple | None = None            # its accepted paths' node ids and counts, host lists
         self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
@@ -100,6 +101,7 @@ class _Run:
         a chain: the pass's own order) and accepted counts (B,), as device tensors or host lists. path_hidden and
         hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
         self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
+        self.host_pass = (path, n) if isinstance(n, list) else None   # a device pass's: from the round's read
 
     @property
     def last_pass(self) -> tuple:
@@ -138,7 +140,7 @@ class _Run:
 
     @hidden.setter
     def hidden(self, value: torch.Tensor) -> None:
-        self._hidden, self._path_hidden, self._pass = value, None, None
+        self._hidden, self._path_hidden, self._pass, self.host_pass = value, None, None, None
 
     def resize(self, n: int) -> None:
         self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
@@ -515,7 +517,11 @@ class Generator:
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
         run.after_pass(out, path, n)
-        return torch.cat([n[:, None], nxt[:, None], width[:, None], tokens], 1).tolist()   # the read
+        read = torch.cat([n[:, None], nxt[:, None], width[:, None], tokens, *([] if path is None else [path])],
+                         1).tolist()   # the read: the commit rows, then a tree's accepted node ids (the drafters')
+        cut = 3 + tokens.shape[1]
+        run.host_pass = (None if path is None else [r[cut:] for r in read], [r[0] for r in read])
+        return [r[:cut] for r in read]
 
     def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,

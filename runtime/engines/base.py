@@ -67,6 +67,26 @@ def providers(device: torch.device, spec: dict, **cuda_options: str) -> list:
     return [("CUDAExecutionProvider", {"device_id": str(device.index or 0), **cuda_options})]
 
 
+CUDA_REQUIREMENTS = "https://onnxruntime.ai/docs/execution-providers/CUDA-ExecutionProvider.html#requirements"
+
+
+def check_providers(session, device: torch.device) -> None:
+    """ONNX Runtime falls back to the CPU when its CUDA provider cannot load (cuDNN or cuBLAS missing, another CUDA
+    major version than onnxruntime-gpu's, the CPU wheel installed): it only warns. A session meant for a GPU
+    that did not get it is refused here, before CUDA pointers are bound to a CPU session."""
+    if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise BackendError(cuda_fallback(session.get_providers()))
+
+
+def cuda_fallback(got: list[str]) -> str:
+    import onnxruntime as ort
+    return (f"ONNX Runtime {ort.__version__} did not start its CUDA provider and fell back to {', '.join(got)} "
+            "(its warning above names the cause: usually a CUDA or cuDNN library it could not load, or of another "
+            "major version than the one onnxruntime-gpu was built for, or the CPU wheel 'onnxruntime' installed "
+            f"instead of 'onnxruntime-gpu'): install the CUDA and cuDNN versions listed at {CUDA_REQUIREMENTS}, "
+            "or use --device cpu")
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -89,7 +109,9 @@ class OrtEngine:
 
     name = "onnxruntime"
 
-    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
+    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None, weights=None):
+        """`weights`: a SharedWeights (see specrt.engines.static) whose values stand for the graph's stored
+        weights, shared with other sessions."""
         try:
             import onnxruntime as ort
         except ImportError as e:
@@ -98,7 +120,10 @@ class OrtEngine:
         self.ort, self.spec, self.device = ort, spec, torch.device(device)
         self.dtype = engine_dtype(spec)
         options = session_options(ort, spec, threads)
+        if weights is not None:
+            weights.add_to(options, Path(path))
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
+        check_providers(self.session, self.device)
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
@@ -259,6 +284,7 @@ class OrtHeads:
         self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
         options = session_options(ort, spec, threads)
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
+        check_providers(self.session, self.device)
         self.binding = self.session.io_binding()
         self.root_token = bool(spec.get("root_token"))
         self.sequential = bool(spec.get("sequential"))
@@ -329,8 +355,7 @@ def pick_device(requested: str = "auto") -> str:
     if requested.split(":")[0] == "cuda":
         missing = cuda_missing()
         if missing:
-            raise BackendError(f"--device {requested}: {missing}. Install the GPU extra (pip install "
-                               "'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu")
+            raise BackendError(f"--device {requested}: {missing}")
         return requested
     if requested != "cpu":
         raise BackendError(f"--device {requested!r}: expected auto, cpu or cuda")
@@ -363,7 +388,7 @@ def engine_set_device(manifest: dict, directory, requested: str = "auto") -> str
     if requested == "auto":
         missing = cuda_missing() if built == "cuda" else None
         if missing:
-            raise DeviceError(f"{directory} was built for CUDA, and {missing}: run it on a machine with an NVIDIA "
+            raise DeviceError(f"{directory} was built for CUDA, and {missing.removesuffix(INSTALL_GPU)}: run it on a machine with an NVIDIA "
                               "GPU and the GPU extra (pip install 'specrt[gpu]'), or build it for the CPU "
                               f"(`specrt build {directory}`)")
         return built
@@ -378,16 +403,40 @@ def engine_set_device(manifest: dict, directory, requested: str = "auto") -> str
     return pick_device(requested)
 
 
+INSTALL_GPU = ": install the GPU extra (pip install 'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
+
+
+@functools.cache
 def cuda_missing() -> str | None:
-    """What keeps engines off the GPU here, or None."""
+    """What keeps engines off the GPU here and its fix, or None. ONNX Runtime's CUDA provider is started once in a
+    one-node session: being listed among the available providers does not mean that it loads."""
     if not torch.cuda.is_available():
-        return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)"
+        return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)" + INSTALL_GPU
     try:
         import onnxruntime as ort
     except ImportError:
-        return "onnxruntime is not installed"
+        return "onnxruntime is not installed" + INSTALL_GPU
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not 'onnxruntime-gpu')"
+        return ("onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not "
+                "'onnxruntime-gpu')" + INSTALL_GPU)
+    return cuda_provider_problem(ort)
+
+
+def cuda_provider_problem(ort, device_id: int = 0) -> str | None:
+    """Start the CUDA provider in a one-node session: None when it runs there, else the cause and fix."""
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)   # any onnxruntime reads it
+    try:
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=[("CUDAExecutionProvider", {"device_id": str(device_id)})])
+    except Exception as e:  # with CUDA_PATH set, ONNX Runtime raises instead of falling back
+        return (f"ONNX Runtime's CUDA provider failed to start ({type(e).__name__}: {e}): install the CUDA and "
+                f"cuDNN versions listed at {CUDA_REQUIREMENTS}, or use --device cpu")
+    if "CUDAExecutionProvider" not in session.get_providers():
+        return cuda_fallback(session.get_providers())
     return None
 
 
