@@ -28,30 +28,33 @@ V = 48
 SHAPE_NODES = {"Shape", "Range", "ConstantOfShape", "Size", "NonZero"}
 
 
-def static_op(scale: float, B, H, Hkv, S, Smax, D) -> bytes:
+def static_op(scale: float, B, H, Hkv, S, Smax, D, window: int = 0, softcap: float = 0.0) -> bytes:
     """One TreeAttention node with every shape fixed and the static body."""
     f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     shapes = [(B, H, S, D), (B, Hkv, Smax, D), (B, Hkv, Smax, D), (B, Hkv, S, D), (B, Hkv, S, D), (B,), (B, S, S)]
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(INPUTS, [f] * 5 + [i64, b], shapes)]
-    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
+    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale, window=window, softcap=softcap)
     graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, (B, H, S, D))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return attach_function(model, static=True).SerializeToString()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_static_body_matches_float64_reference(seed):
+    """Also with a sliding window and a soft-cap of the scores."""
     rng = np.random.default_rng(seed)
     B, Hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
     H, D, S, Smax = Hkv * int(rng.choice([1, 2, 4])), int(rng.choice([4, 8, 16])), int(rng.integers(1, 9)), 24
     past = rng.integers(0, Smax - S + 1, size=B)
+    window, softcap = [0, 1, 3, 6][seed % 4], [0.0, 0.7][seed // 4 % 2]
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
                   k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
                   tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
-    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D, window, softcap),
+                                   providers=["CPUExecutionProvider"])
     got = session.run(None, inputs)[0]
-    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5, window, softcap), atol=2e-5, rtol=1e-5)
     inputs["k_cache"][:, :, past.max():] = 1e4   # whatever the slots past past_len hold (finite) is ignored
     np.testing.assert_allclose(session.run(None, inputs)[0], got, atol=1e-6)
 
