@@ -4,7 +4,8 @@
 - RMSNorm -> `SimplifiedLayerNormalization`; a residual Add before it -> `com.microsoft::SkipSimplifiedLayerNormalization`
   (which also gives the sum, the residual stream).
 - RoPE (x*cos + rotate_half(x)*sin on [B,H,S,D]) -> `com.microsoft::RotaryEmbedding` on the projection's [B,S,H*D]
-  output, with the position ids and the first half of the cos/sin tables.
+  output, with the position ids and the first half of the cos/sin tables (on x itself, in the op's 4D form, where
+  x is normed per head first or is the rotated part of a partial rotary).
 - Projections of one input (q/k/v, gate/up) -> one MatMul (or `MatMulNBits`) over their weights side by side and a
   Split: fewer, larger kernels (a 4-bit target's pass at one token: 15.7 -> 10.5 ms). A Q4_1 target's block offset
   terms (see `specrt.export.quantize`) merge with their MatMuls.
@@ -12,7 +13,8 @@
   once per graph (ONNX Runtime inlines the function once per layer), and the reshapes in and around it take
   constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left. Each
   row's new keys and values go at its own past_len in the layer's attention columns (not after the longest row's
-  cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`).
+  cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`). Layers with a
+  sliding window share one more bias per window size (`_window_nodes`); a soft-cap adds its Div, Tanh, Mul.
 - The cache is written in place, not copied: each layer scatters the pass's new keys and values into the cache
   itself. The written caches are graph outputs (`k_cache_<i>` + `_written`); bound to the cache inputs' own
   buffers, as `OrtEngine` binds them, ONNX Runtime's ScatterElements writes the S new entries and copies nothing.

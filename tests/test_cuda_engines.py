@@ -20,6 +20,7 @@ from specrt.export.build import build
 from specrt.decoding.eagle import DynamicTree
 from specrt.decoding.generate import METHODS, Generator
 from specrt.engines.manifest import read_manifest, sha256_file
+from specrt.export.architectures import REGISTRY
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
@@ -131,6 +132,20 @@ def test_width_engine_matches_plain_engine(engine_sets, k, tree):
     assert static.max_width == 8 and outs[1][0].shape == (1, k, V)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
+def test_width_engines_of_every_architecture_match_transformers(tiny_engines, tmp_path, arch):
+    """Each architecture's CUDA engines (the dynamic graph for the prefill, width graphs for the decode steps and a
+    padded tree) against transformers, past the window where the test model has one (conftest.ARCH_TESTS)."""
+    from test_graph_parity import check_parity
+    directory, model = tiny_engines[arch]
+    cuda = tmp_path / "cuda"
+    shutil.copytree(directory, cuda)
+    build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 8))
+    target = Generator.from_engines(cuda, device="cpu").target
+    assert isinstance(target, StaticWidthEngine)
+    check_parity(target, model, model.config.vocab_size)
 
 
 def test_width_engine_runs_the_smallest_width(engine_sets, monkeypatch):
