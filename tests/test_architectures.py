@@ -56,6 +56,20 @@ def test_methods_are_lossless(arch_set, method):
         assert accepted > 0, "no draft accepted: the verification passes were single tokens"
 
 
+@pytest.mark.parametrize("method", ["autoregressive", "draft-tree"])
+def test_batched_rows_keep_their_own_windows(arch_set, method):
+    """Rows of ragged lengths in one batch (each with its own past_len, hence its own positions and window) give
+    the tokens of their lone runs."""
+    gen, model = arch_set
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    lone = [gen.generate(prompt_ids=p, max_new_tokens=24).token_ids[0] for p in prompts]
+    kw = METHODS.get(method, dict(method=method))
+    out = gen.generate(prompt_ids=prompts, max_new_tokens=24, adaptive=False, **kw)
+    for ours, ref, prompt in zip(out.token_ids, lone, prompts):
+        assert_same_or_tie(ours, ref, prompt, model)
+
+
 # ---- refused, by name ------------------------------------------------------------------------------------------
 def save_config(tmp_path, config):
     src = tmp_path / "src"
