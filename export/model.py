@@ -45,7 +45,7 @@ class ModelArgs:
     local_rope: tuple[bool, ...] = ()  # per layer: rotates by the local rope tables (Gemma 3's sliding layers)
 
 
-def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str] = frozenset()) -> ModelArgs:
+def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str]) -> ModelArgs:
     """The graph's options from a transformers config and the names of its weights (which biases exist)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layer = "model.layers.0."
@@ -65,7 +65,8 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
         attn_softcap=arch.softcap and getattr(config, "attn_logit_softcapping", None) or 0.0,
         final_softcap=arch.softcap and getattr(config, "final_logit_softcapping", None) or 0.0,
         windows=windows if any(windows) else (),
-        local_rope=tuple(t == "sliding_attention" for t in config.layer_types) if arch.local_rope else (),
+        local_rope=tuple(t == "sliding_attention" for t in config.layer_types[:config.num_hidden_layers])
+        if arch.local_rope else (),
     )
 
 
@@ -75,6 +76,7 @@ def plain_layers(a: ModelArgs) -> ModelArgs:
                    attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=())
 
 
+# the MLP activations by their transformers names (architectures.ACTIVATIONS lists them)
 ACTIVATIONS = {"silu": nn.functional.silu, "swish": nn.functional.silu, "gelu": nn.functional.gelu,
                "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
@@ -166,7 +168,7 @@ class Block(nn.Module):
 
 class SpecModel(nn.Module):
     """Weights under the transformers names (`model.layers.N...`, `lm_head`), so `load_state_dict` maps 1:1.
-    `local_rope`: the (cos, sin) tables of the layers with a window, where they have their own (Gemma 3)."""
+    `local_rope`: the (cos, sin) tables of the layers that `a.local_rope` marks (Gemma 3's sliding layers)."""
 
     def __init__(self, a: ModelArgs, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  vocab_subset: torch.Tensor | None = None, local_rope: tuple | None = None):
@@ -226,20 +228,23 @@ def rope_tables(hf_model, max_seq_len: int, layer_type: str | None = None) -> tu
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}   # Phi-3's
+
+
 def hf_weights(state: dict, arch: Architecture, a: ModelArgs) -> dict:
     """A transformers state dict under the names and conventions of `SpecModel`: fused projections split, the
     norms' offset folded into their weights, the LM head of tied embeddings, no rotary buffers."""
     state = {k: v for k, v in state.items() if not k.endswith("inv_freq")}
     if "lm_head.weight" not in state:  # tied embeddings
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    if arch.fused_projections:
-        sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        for key in [k for k in state if ".qkv_proj." in k or ".gate_up_proj." in k]:
-            fused = state.pop(key)
-            names = ("q_proj", "k_proj", "v_proj") if ".qkv_proj." in key else ("gate_proj", "up_proj")
-            parts = fused.split(sizes if len(names) == 3 else [a.intermediate_size] * 2, dim=0)
-            old = "qkv_proj" if len(names) == 3 else "gate_up_proj"
-            state.update({key.replace(old, name): part for name, part in zip(names, parts)})
+    if arch.fused_projections:   # output rows [q; k; v] and [gate; up]
+        sizes = {"qkv_proj": [a.num_heads * a.head_dim] + [a.num_kv_heads * a.head_dim] * 2,
+                 "gate_up_proj": [a.intermediate_size] * 2}
+        for key in list(state):
+            fused = next((f for f in FUSED if f".{f}." in key), None)
+            if fused is not None:
+                parts = state.pop(key).split(sizes[fused], dim=0)
+                state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})
     if arch.norm_offset:
         state = {k: v + arch.norm_offset if k.endswith("norm.weight") else v for k, v in state.items()}
     return state

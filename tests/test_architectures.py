@@ -25,6 +25,11 @@ def test_every_architecture_has_a_test_config():
     assert set(ARCH_TESTS) == set(REGISTRY), "give each registered architecture its entry in conftest.ARCH_TESTS"
 
 
+def test_the_activations_checked_are_the_ones_implemented():
+    from specrt.export import architectures, model
+    assert set(architectures.ACTIVATIONS) == set(model.ACTIVATIONS)
+
+
 @pytest.fixture(scope="module", params=sorted(REGISTRY))
 def arch_set(request, tmp_path_factory):
     """A tiny target of the architecture with a draft of the same architecture: the target with noise on its
