@@ -18,10 +18,16 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def _max_len(model, requested: int, log=print) -> int:
-    """The graph's max_seq_len: the request, capped at the positions the model was trained for and at its
-    sliding window (the graph attends to the whole prefix)."""
-    for name in ("max_position_embeddings", "sliding_window"):
-        limit = getattr(model.config, name, None)
+    """The graph's max_seq_len: the request, capped at the positions the model was trained for, and for a
+    longrope model (Phi-3) at its original context: past it transformers switches every position to the long
+    factors once the sequence grows there, which no static rope table (nor cache) can follow."""
+    limits = [("max_position_embeddings", getattr(model.config, "max_position_embeddings", None))]
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(model.config, "original_max_position_embeddings", None)
+        limits.append(("longrope original_max_position_embeddings", original))
+    for name, limit in limits:
         if limit and limit < requested:
             log(f"--max-seq-len {requested} is more than the model's {name} ({limit}): using {limit}")
             requested = int(limit)

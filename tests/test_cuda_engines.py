@@ -21,6 +21,7 @@ from specrt.export.build import build
 from specrt.decoding.eagle import DynamicTree
 from specrt.decoding.generate import METHODS, Generator
 from specrt.engines.manifest import file_entry, read_manifest, sha256_file, write_manifest
+from specrt.export.architectures import REGISTRY
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
@@ -29,30 +30,33 @@ V = 48
 SHAPE_NODES = {"Shape", "Range", "ConstantOfShape", "Size", "NonZero"}
 
 
-def static_op(scale: float, B, H, Hkv, S, Smax, D) -> bytes:
+def static_op(scale: float, B, H, Hkv, S, Smax, D, window: int = 0, softcap: float = 0.0) -> bytes:
     """One TreeAttention node with every shape fixed and the static body."""
     f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     shapes = [(B, H, S, D), (B, Hkv, Smax, D), (B, Hkv, Smax, D), (B, Hkv, S, D), (B, Hkv, S, D), (B,), (B, S, S)]
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(INPUTS, [f] * 5 + [i64, b], shapes)]
-    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
+    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale, window=window, softcap=softcap)
     graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, (B, H, S, D))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return attach_function(model, static=True).SerializeToString()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_static_body_matches_float64_reference(seed):
+    """Also with a sliding window and a soft-cap of the scores."""
     rng = np.random.default_rng(seed)
     B, Hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
     H, D, S, Smax = Hkv * int(rng.choice([1, 2, 4])), int(rng.choice([4, 8, 16])), int(rng.integers(1, 9)), 24
     past = rng.integers(0, Smax - S + 1, size=B)
+    window, softcap = [0, 1, 3, 6][seed % 4], [0.0, 0.7][seed // 4 % 2]
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
                   k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
                   tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
-    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D, window, softcap),
+                                   providers=["CPUExecutionProvider"])
     got = session.run(None, inputs)[0]
-    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5, window, softcap), atol=2e-5, rtol=1e-5)
     inputs["k_cache"][:, :, past.max():] = 1e4   # whatever the slots past past_len hold (finite) is ignored
     np.testing.assert_allclose(session.run(None, inputs)[0], got, atol=1e-6)
 
@@ -134,6 +138,20 @@ def test_width_engine_matches_plain_engine(engine_sets, k, tree):
     assert static.max_width == 8 and outs[1][0].shape == (1, k, V)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
+def test_width_engines_of_every_architecture_match_transformers(tiny_engines, tmp_path, arch):
+    """Each architecture's CUDA engines (the dynamic graph for the prefill, width graphs for the decode steps and a
+    padded tree) against transformers, past the window where the test model has one (conftest.ARCH_TESTS)."""
+    from test_graph_parity import check_parity
+    directory, model = tiny_engines[arch]
+    cuda = tmp_path / "cuda"
+    shutil.copytree(directory, cuda)
+    build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 8))
+    target = Generator.from_engines(cuda, device="cpu").target
+    assert isinstance(target, StaticWidthEngine)
+    check_parity(target, model, model.config.vocab_size)
 
 
 def test_width_engine_runs_the_smallest_width(engine_sets, monkeypatch):
