@@ -311,9 +311,9 @@ def tune_tree(engines, method, max_nodes, width, device):
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompts", "num_prompts", default=3, show_default=True,
+@click.option("--prompts", "num_prompts", default=2, show_default=True,
               help="Calibration prompts each method decodes per regime (1-6; never the benchmark set).")
-@click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Tokens per prompt.")
 @click.option("--temperature", default=0.7, show_default=True, help="The sampled regime's temperature.")
 @click.option("--trees/--no-trees", default=True, show_default=True,
               help="Choose EAGLE's tree shape and the Medusa tree first, as tune-tree does.")
