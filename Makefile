@@ -68,7 +68,7 @@ bench: engines engines-int4
 	    --out bench-out
 
 # Needs an NVIDIA GPU and the gpu extra (onnxruntime-gpu in place of onnxruntime: pip install -e '.[gpu]'),
-# which is the user's to install; writes gpu-check.json (see README, "GPU check").
+# which is the user's to install; writes gpu-check.json (see docs/gpu.md).
 gpu-check: | $(STAMP)
 	$(SPECRT) gpu-check --out gpu-check.json
 

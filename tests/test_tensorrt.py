@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from specrt.engines.base import OrtEngine, TensorRTEngine
+from specrt.engines.base import OrtEngine
+from specrt.engines.tensorrt import TensorRTEngine
 from specrt.errors import BackendError
 from specrt.export.build import tensorrt_available
 from specrt.plugins.tensorrt_plugin import load_tensorrt, tree_attention_static

@@ -16,7 +16,7 @@ path's prefix among them (exact at T = 0; at T > 0 the same draw at every node).
 random drafter's acceptance says nothing): the shipped drafter's trace, recorded on the CPU, replayed against
 the GPU's measured costs. It is a model: the trace keeps a round's verified nodes only, so the growth rule sees
 part of each level's frontier (it grows a little less than the runtime), and a plain step moves on to the next
-recorded round. How close it comes is measured on the CPU, where both can be run (README, "GPU check").
+recorded round. How close it comes is measured on the CPU, where both can be run (docs/gpu.md, "The EAGLE projection").
 """
 from __future__ import annotations
 
