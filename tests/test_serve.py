@@ -87,6 +87,8 @@ def test_models_and_completion(tiny):
     want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, method="autoregressive")
     assert out.choices[0].token_ids == want.token_ids[0]
     assert out.choices[0].finish_reason == "length" and out.choices[0].text == ""
+    # the server's default method is auto: no tuning here, so the rule's (a draft model, no EAGLE drafter)
+    assert (out.specrt["method"], out.specrt["method_from"]) == ("draft", "rule")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 12, 15)
     # n choices, sampled with a seed: the generator's own rows for that seed (a fixed gamma: the adaptive one
     # follows timings, and with it the random draws)

@@ -3,6 +3,7 @@ rule; a new process starts from the tuning's pass times and policy figures; a st
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -20,6 +21,7 @@ from specrt.export.build import build
 from specrt.export.eagle import new_eagle, save_eagle
 from specrt.export.model import from_hf
 from specrt.export.pipeline import export_engines
+from specrt.measurement.demo import demo
 from specrt.measurement.tune import TuneConfig, tune
 
 V, MAX_LEN = 64, 128
@@ -159,3 +161,12 @@ def test_the_rule_without_eagle_or_drafters(tuned, tiny_engines, tmp_path):
     assert Generator.from_engines(no_eagle).generate(prompt_ids=PROMPT, max_new_tokens=4).stats["method"] == "draft"
     alone = Generator.from_engines(tiny_engines["llama"][0])
     assert alone.generate(prompt_ids=PROMPT, max_new_tokens=4).stats["method"] == "ngram"
+
+
+@pytest.mark.slow
+def test_demo_prints_both_runs_equal_texts_and_the_ratio(default_engines):
+    lines = []
+    assert demo(str(default_engines), max_new_tokens=24, repeats=1, echo=lines.append)
+    text = "\n".join(lines)
+    assert "news article" in text and "autoregressive and auto identical" in text
+    assert re.search(r"autoregressive [\d.]+ tokens/s, auto \(\w+\) [\d.]+ tokens/s: [\d.]+x", text), text
