@@ -170,3 +170,13 @@ def test_demo_prints_both_runs_equal_texts_and_the_ratio(default_engines):
     text = "\n".join(lines)
     assert "news article" in text and "autoregressive and auto identical" in text
     assert re.search(r"autoregressive [\d.]+ tokens/s, auto \(\w+\) [\d.]+ tokens/s: [\d.]+x", text), text
+
+
+def test_eagle_figures_carry_to_the_next_request_at_most_memory_rounds():
+    figures = Figures([30.0, 40.0], [50.0, 25.0], {2: [10.0, 20.0], 3: [1.0, 2.0]})
+    nxt = figures.following(memory=8.0)
+    assert nxt.calibration == pytest.approx([30 * 8 / 25, 40 * 8 / 25])    # the same scale, worth 8 rounds
+    assert nxt.promise == pytest.approx([50 * 8 / 25, 8.0])
+    assert nxt.lookup == {2: pytest.approx([4.0, 8.0]), 3: [1.0, 2.0]}      # a rate's weight: its offered nodes
+    assert Figures.from_json(json.loads(json.dumps(figures.to_json()))) == figures
+    assert Figures().following() == Figures()                                # nothing measured: the priors

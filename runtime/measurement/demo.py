@@ -78,6 +78,6 @@ def demo(engines: str, max_new_tokens: int = 128, repeats: int = 2, device: str 
         echo(f"--- auto's text (differs from token {first} on) ---\n{spec.text.strip()}\n")
     speed = {m: sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs) for m, rs in runs.items()}
     echo(f"autoregressive {speed['autoregressive']:.1f} tokens/s, auto ({spec.method}) {speed[AUTO]:.1f} tokens/s: "
-         f"{speed[AUTO] / speed['autoregressive']:.2f}x (each the total of {repeats} runs, alternating, in one "
-         "process; the time includes the prompt's prefill)")
+         f"{speed[AUTO] / speed['autoregressive']:.2f}x ({repeats} run{'s' * (repeats > 1)} each, alternating, in one "
+         "process; the times include the prompt's prefill)")
     return same
