@@ -1,12 +1,13 @@
 """One fresh process per prompt, as a user calls `specrt generate`: the default method (`auto`) against
 `--method autoregressive`, alternating per prompt, side by side in one run.
 
-    python -m specrt.measurement.fresh ENGINES [--prompts 16] [--max-new-tokens 96] [--out fresh.json]
+    python -m specrt.measurement.fresh ENGINES [--prompts 16] [--max-new-tokens 96] [--untuned DIR] [--out F]
 
 Each call is `specrt generate ENGINES --prompt TEXT --max-new-tokens N --json` (with `--method autoregressive` for
-the baseline, nothing for auto). Reports per method the decode speed (the stats' tokens over their generation
-time: prefill and rounds), the processes' wall time (loading included), auto's tokens per round and the method
-it chose, and whether every greedy output was identical.
+the baseline, nothing for auto). Reports per arm the decode speed (the stats' tokens over their generation time:
+prefill and rounds), the processes' wall time (loading included), tokens per round and the method auto chose, and
+whether every greedy output was identical to the baseline's. `--untuned DIR`: a third arm, auto on DIR (a copy of
+ENGINES without its tuning: the cold start that the tuning's warm start replaces).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import click
 
 from specrt.measurement.bench import load_prompts
 
-AUTO, PLAIN = "auto", "autoregressive"
+AUTO, PLAIN, COLD = "auto", "autoregressive", "auto (untuned)"
 
 
 def call(engines: str, text: str, new_tokens: int, method: str | None, temperature: float) -> dict:
@@ -38,9 +39,10 @@ def call(engines: str, text: str, new_tokens: int, method: str | None, temperatu
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per method: tokens, decode seconds, tokens/s, wall seconds, tokens per round; and the ratios."""
+    """Per arm: tokens, decode seconds, tokens/s, wall seconds, tokens per round; and the ratios to the baseline."""
     out = {}
-    for m in (PLAIN, AUTO):
+    arms = [m for m in (PLAIN, AUTO, COLD) if m in rows[0]]
+    for m in arms:
         runs = [r[m] for r in rows]
         tokens = sum(r["tokens"] for r in runs)
         decode = sum(r["tokens"] / r["tokens_per_s"] for r in runs)
@@ -48,9 +50,10 @@ def summary(rows: list[dict]) -> dict:
                   "wall_s": sum(r["wall_s"] for r in runs),
                   "tokens_per_round": sum(r["tokens"] - 1 for r in runs) / sum(r["rounds"] for r in runs),
                   "methods": sorted({f"{r['method']} ({r['method_from']})" for r in runs})}
-    out["speedup"] = out[AUTO]["tokens_per_s"] / out[PLAIN]["tokens_per_s"]
-    out["wall_ratio"] = out[PLAIN]["wall_s"] / out[AUTO]["wall_s"]
-    out["identical"] = sum(r[AUTO]["token_ids"] == r[PLAIN]["token_ids"] for r in rows)
+    for m in arms[1:]:
+        out[m].update(speedup=out[m]["tokens_per_s"] / out[PLAIN]["tokens_per_s"],
+                      wall_ratio=out[PLAIN]["wall_s"] / out[m]["wall_s"],
+                      identical=sum(r[m]["token_ids"] == r[PLAIN]["token_ids"] for r in rows))
     out["prompts"] = len(rows)
     return out
 
@@ -60,27 +63,32 @@ def summary(rows: list[dict]) -> dict:
 @click.option("--prompts", "num_prompts", default=16, show_default=True, help="MT-Bench dev prompts (the first N).")
 @click.option("--max-new-tokens", default=96, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True)
+@click.option("--untuned", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Also auto on this engine directory (ENGINES without its tuning).")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Every call's figures, as JSON.")
-def main(engines, num_prompts, max_new_tokens, temperature, out):
+def main(engines, num_prompts, max_new_tokens, temperature, untuned, out):
+    arms = {AUTO: (engines, None), PLAIN: (engines, PLAIN)} | ({COLD: (untuned, None)} if untuned else {})
     rows = []
     for i, prompt in enumerate(load_prompts(None, num_prompts)):
-        row = {}
-        for m in (AUTO, PLAIN) if i % 2 == 0 else (PLAIN, AUTO):
-            row[m] = call(engines, prompt.text, max_new_tokens, None if m == AUTO else m, temperature)
+        order = list(arms)[i % len(arms):] + list(arms)[:i % len(arms)]   # each arm first in turn
+        row = {m: call(arms[m][0], prompt.text, max_new_tokens, arms[m][1], temperature) for m in order}
         rows.append(row)
-        a, p = row[AUTO], row[PLAIN]
-        click.echo(f"prompt {prompt.id}: autoregressive {p['tokens_per_s']:.1f} tokens/s ({p['wall_s']:.1f} s), "
-                   f"auto/{a['method']} {a['tokens_per_s']:.1f} tokens/s ({a['wall_s']:.1f} s), "
-                   f"{a['mean_tokens_per_round']:.2f} tokens/round, "
-                   f"{'identical' if a['token_ids'] == p['token_ids'] else 'DIFFERENT'}")
+        click.echo(f"prompt {prompt.id}: " + ", ".join(
+            f"{m}{'/' + r['method'] if m != PLAIN else ''} {r['tokens_per_s']:.1f} tokens/s ({r['wall_s']:.1f} s, "
+            f"{r['mean_tokens_per_round']:.2f} tokens/round"
+            f"{'' if m == PLAIN or r['token_ids'] == row[PLAIN]['token_ids'] else ', DIFFERENT'})"
+            for m, r in row.items()))
     s = summary(rows)
     click.echo(f"\n{s['prompts']} prompts x {max_new_tokens} tokens, T = {temperature}, one process per call, "
-               f"alternating per prompt; greedy outputs identical: {s['identical']} of {s['prompts']}")
-    for m in (PLAIN, AUTO):
+               "the arms' order rotating per prompt")
+    for m in arms:
         r = s[m]
-        click.echo(f"{m}: {r['tokens']} tokens, {r['tokens_per_s']:.1f} tokens/s decoding, {r['wall_s']:.1f} s of "
-                   f"process wall time, {r['tokens_per_round']:.2f} tokens/round, method {', '.join(r['methods'])}")
-    click.echo(f"auto / autoregressive: {s['speedup']:.2f}x decoding, {s['wall_ratio']:.2f}x process wall time")
+        line = (f"{m}: {r['tokens']} tokens, {r['tokens_per_s']:.1f} tokens/s decoding, {r['wall_s']:.1f} s of "
+                f"process wall time, {r['tokens_per_round']:.2f} tokens/round, method {', '.join(r['methods'])}")
+        if m != PLAIN:
+            line += (f"; {r['speedup']:.2f}x autoregressive decoding, {r['wall_ratio']:.2f}x its wall time, "
+                     f"greedy output identical on {r['identical']} of {s['prompts']} prompts")
+        click.echo(line)
     if out:
         Path(out).write_text(json.dumps({"rows": rows, "summary": s}, indent=1))
 
