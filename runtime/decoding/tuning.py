@@ -18,6 +18,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specrt.engines.base import default_threads
 from specrt.engines.manifest import check_file, file_entry, read_manifest, write_manifest
 from specrt.errors import ManifestError
 
@@ -74,7 +75,8 @@ def rule(gen) -> str:
 
 
 def machine(device: str, threads: int | None) -> dict:
-    """What a tuning's timings depend on besides the engines: the processor, its cores, the device, the threads."""
+    """What a tuning's timings depend on besides the engines: the processor, its cores, the device, the engine
+    threads (None: the default, all the cores this process may use)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,7 +85,7 @@ def machine(device: str, threads: int | None) -> dict:
                 break
     except OSError:
         pass
-    about = {"cpu": cpu, "cores": os.cpu_count(), "device": device, "threads": threads}
+    about = {"cpu": cpu, "cores": os.cpu_count(), "device": device, "threads": threads or default_threads()}
     if device.startswith("cuda"):
         import torch
         about["gpu"] = torch.cuda.get_device_name(torch.device(device))
