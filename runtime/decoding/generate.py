@@ -12,18 +12,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.decoding import verification
+from specrt.decoding import tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
-from specrt.decoding.eagle import DynamicTree, EagleDrafter
+from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
 from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
+AUTO = tuning.AUTO   # the method the engine set's tuning chose for the regime, else tuning.rule's
 MAX_GAMMA = 8
 MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size
 
@@ -194,6 +195,10 @@ class Generator:
         self._last_pool = None
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
         self._tree_policies: dict[tuple, TreePolicy] = {}    # the same for tree methods
+        self._eagle_figures: dict[bool, Figures] = {}        # greedy -> the last EAGLE request's
+        self.tuning: tuning.Tuning | None = None             # this machine's, see start_warm
+        self.untuned = "no tuning loaded"                    # why there is none
+        self.machine: dict = {}                              # what timings depend on (tuning.machine)
 
     def has(self, role: str) -> bool:
         """Whether the engine set has the drafter `role` ("draft", "medusa" or "eagle"), loaded or not."""
@@ -209,7 +214,9 @@ class Generator:
     eagle = property(lambda self: self._drafter_engine("eagle"), doc="The EAGLE drafter's engine (loaded on use).")
 
     @classmethod
-    def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
+    def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
+                     warm: bool = True) -> "Generator":
+        """`warm`: start from the engine set's tuning for this machine, if any (see start_warm)."""
         directory = Path(path)
         manifest = read_manifest(directory)
         models = manifest["models"]
@@ -228,6 +235,8 @@ class Generator:
             role_threads = threads if role == "target" else drafter_threads
             backend = OrtHeads if role == "medusa" else engine_class(spec["engine"])
             engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads)
+        machine = tuning.machine(device, threads)
+        tuned, why = tuning.load(directory, manifest, machine)   # checked before the engines load
         tokenizer = None
         if manifest.get("tokenizer"):
             for entry in manifest["tokenizer"]:
@@ -239,7 +248,71 @@ class Generator:
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
+        gen.machine, gen.untuned = machine, why if warm else "warm=False"
+        if tuned is not None and warm:
+            gen.start_warm(tuned)
         return gen
+
+    def start_warm(self, tuned: tuning.Tuning) -> None:
+        """Start from the engine set's tuning as from the last request of a warm process: its pass times (not
+        measured again), and what its last request of each method left the adaptive policies and EAGLE's
+        calibration. From nothing, a one-shot process timed its passes at the first request and sized its first
+        trees from a handful of rounds (EAGLE made 1.06–1.29 tokens a round on a prompt where full trees make 2)."""
+        self.tuning = tuned
+        for b, verify in tuned.passes.items():
+            self._batch_costs[b] = Costs(tuned.draft_step, dict(verify))
+        spec = self.manifest["models"].get("eagle")
+        level = tuned.eagle_level
+        if spec is not None and level:
+            shape = self.eagle_shape(spec)
+            for b, seconds in level["seconds"].items():
+                if shape.top_k == level["top_k"] and b in self._batch_costs:
+                    self._batch_costs[("eagle", b, shape)] = Costs(seconds, self._batch_costs[b].verify)
+        for regime in tuning.REGIMES:
+            greedy = regime == "greedy"
+            for method, alpha in tuned.gamma.get(regime, {}).items():
+                self._gamma_policies[(method, greedy)] = GammaPolicy(None, MAX_GAMMA, prior_alpha=alpha)
+            for method, sums in tuned.trees.get(regime, {}).items():
+                self._tree_policies[(method, greedy)] = TreePolicy(sums={k: list(v) for k, v in sums.items()})
+            if regime in tuned.eagle:
+                self._eagle_figures[greedy] = Figures.from_json(tuned.eagle[regime])
+
+    def measured(self) -> dict:
+        """What this process has measured that start_warm starts a new one from (Tuning's fields): the pass times,
+        and per regime what the last request of each method left the policies and EAGLE's calibration."""
+        passes = {b: dict(c.verify) for b, c in self._batch_costs.items() if isinstance(b, int)}
+        draft = max((c.draft_step for b, c in self._batch_costs.items() if isinstance(b, int)), default=0.0)
+        levels = {key[2]: {} for key in self._batch_costs if isinstance(key, tuple)}
+        for key, c in self._batch_costs.items():
+            if isinstance(key, tuple):
+                levels[key[2]][key[1]] = c.draft_step
+        shape = self.eagle_shape(self.manifest["models"]["eagle"]) if "eagle" in self.manifest["models"] else None
+        level = {"top_k": shape.top_k, "seconds": levels[shape]} if shape in levels else {}
+        out = {"passes": passes, "draft_step": draft, "eagle_level": level, "gamma": {}, "trees": {}, "eagle": {}}
+        for regime in tuning.REGIMES:
+            greedy = regime == "greedy"
+            out["gamma"][regime] = {m: p.alpha for (m, g), p in self._gamma_policies.items() if g == greedy}
+            out["trees"][regime] = {m: p.sums for (m, g), p in self._tree_policies.items() if g == greedy}
+            if greedy in self._eagle_figures:
+                out["eagle"][regime] = self._eagle_figures[greedy].to_json()
+        return out
+
+    def method_for(self, method: str, greedy: bool) -> tuple[str, str]:
+        """The method a request runs and where it came from: "request" (named), "tuning" (`auto`: the tuning's
+        fastest for the regime) or "rule" (`auto` without a tuning for this machine: tuning.rule)."""
+        if method != AUTO:
+            return method, "request"
+        if self.tuning is not None:
+            chosen = self.tuning.methods.get("greedy" if greedy else "sampled")
+            if chosen in METHODS and (chosen in ("autoregressive", "ngram") or self.has(chosen)):
+                return chosen, "tuning"
+        return tuning.rule(self), "rule"
+
+    def eagle_shape(self, spec: dict | None = None) -> DynamicTree:
+        """The dynamic tree EAGLE rounds grow: the engine set's shape (tune-tree), chains where the target verifies
+        chains only."""
+        shape = DynamicTree(**(spec if spec is not None else self.eagle.spec).get("dynamic_tree", {}))
+        return DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth) if self.chains_only else shape
 
     # ---- inputs -------------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -265,13 +338,15 @@ class Generator:
     # ---- the loop -----------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, prompt_ids: list[int] | list[list[int]] | None = None,
                  *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, num_return_sequences: int = 1, method: str = "autoregressive",
+                 seed: int | None = None, num_return_sequences: int = 1, method: str = AUTO,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
                  adaptive: bool = True) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
-        by prompt, `num_return_sequences` each. `tree=True` makes the draft model propose a tree (top-k
+        by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
+        for greedy or sampled decoding on this machine, else `tuning.rule`; `stats["method"]` says which) or one of
+        METHODS. `tree=True` makes the draft model propose a tree (top-k
         branching along its chain); `medusa` always verifies a tree: `tree_choices` (a Tree or a JSON file of
         paths), else the engine set's calibrated tree, else the built-in default. `adaptive` (the default) lets
         each round choose: chains their length γ (unless `gamma` fixes it), trees a tree or a plain step,
@@ -318,7 +393,7 @@ class Generator:
 
     def _rounds(self, prompt, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
-                method: str = "autoregressive", gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
+                method: str = AUTO, gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
@@ -353,7 +428,7 @@ class Generator:
 
     def _check_request(self, method: str, gamma) -> None:
         if method not in METHODS:
-            raise InputError(f"method {method!r}: choose one of {', '.join(METHODS)}")
+            raise InputError(f"method {method!r}: choose {AUTO} or one of {', '.join(METHODS)}")
         if method == "draft" and not self.has("draft"):
             raise InputError(f"--method draft: {self.directory} has no draft model; export with --draft SOURCE")
         if method == "medusa" and not self.has("medusa"):
@@ -406,7 +481,7 @@ class Generator:
         drafter's top choices (one node per depth) lays out exactly as the target's own steps."""
         return self.target.spec.get("engine", {}).get("activations") == "int8"
 
-    def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive=False):
+    def _drafter(self, method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive=False, figures=None):
         if method == "autoregressive":
             return None
         if method == "ngram":
@@ -416,11 +491,10 @@ class Generator:
             return MedusaDrafter(self.medusa, Tree.chain(chosen.max_depth) if self.chains_only else chosen,
                                  self._timed_call)
         if method == "eagle":
-            shape = DynamicTree(**self.eagle.spec.get("dynamic_tree", {}))
-            if self.chains_only:
-                shape = DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth)
+            shape = self.eagle_shape()
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
-            return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only)
+            return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
+                                figures=figures)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)
@@ -620,16 +694,21 @@ class Batch:
     verify pass still pays for the tokens it adds (on a CPU it stops being nearly free within a few rows), and
     the stats count rounds by batch size. generate() and `specrt serve` are built on it."""
 
-    def __init__(self, gen: Generator, capacity: int, cache_len: int | None = None, *, method: str = "autoregressive",
+    def __init__(self, gen: Generator, capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
                  tree_choices=None, adaptive: bool = True):
         params = SamplingParams(temperature, top_k, top_p, seed)
+        method, self.method_from = gen.method_for(method, params.greedy)
         gen._check_request(method, gamma)
         if capacity < 1:
             raise InputError(f"batch capacity {capacity}: must be at least 1")
         self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
-        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive)
+        figures = None
+        if method == "eagle" and adaptive:   # EAGLE's calibration: from the last request of its regime
+            last = gen._eagle_figures.get(params.greedy)
+            figures = gen._eagle_figures[params.greedy] = last.following() if last else Figures()
+        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive, figures)
         self.tree = getattr(self.drafter, "tree", None)
         max_len = gen.max_len
         # cache slots a round may write from the pending token's on (EAGLE's expansion passes can need more)
@@ -788,7 +867,7 @@ class Batch:
     # ---- results ------------------------------------------------------------------------------------------
     def row_stats(self, row: _Row, tokens: int) -> dict:
         """One sequence's figures (the server's per-request `specrt` field)."""
-        return {"method": self.method, "tokens": tokens, "rounds": row.rounds,
+        return {"method": self.method, "method_from": self.method_from, "tokens": tokens, "rounds": row.rounds,
                 "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
                 "stop_reason": row.stop_reason}
@@ -802,6 +881,7 @@ class Batch:
         run = self.run
         stats = {
             "method": self.method,
+            "method_from": self.method_from,
             "rounds": run.rounds,
             "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
             "acceptance_per_position": [a / p for a, p in run.per_position],
