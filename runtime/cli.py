@@ -99,6 +99,16 @@ def _parse_ids(text: str | None):
                                  param_hint="--prompt-ids") from None
 
 
+def _prefill_chunk_option():
+    from specrt.generate import PREFILL_CHUNK
+    return click.option("--prefill-chunk", default=PREFILL_CHUNK, show_default=True, type=click.IntRange(1),
+                        help="Prompt tokens per prefill pass: a long prompt runs through the engines in passes of "
+                             "this many tokens, so that memory is bounded by the chunk, not the prompt.")
+
+
+prefill_chunk_option = _prefill_chunk_option()
+
+
 def sampling_options(f):
     for opt in reversed([
         click.option("--max-new-tokens", default=128, show_default=True),
@@ -120,6 +130,7 @@ def sampling_options(f):
                           "measured acceptance and costs. --no-adaptive speculates every round."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
+        prefill_chunk_option,
     ]):
         f = opt(f)
     return f
@@ -135,7 +146,7 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads, prefill_chunk):
     """Generate from ENGINES."""
     from specrt.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -146,7 +157,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
                    num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
                    tree_choices=tree_choices, adaptive=adaptive)
     try:
-        gen = Generator.from_engines(engines, device=device, threads=threads)
+        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
         if stream:
             printed = 0
             for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes

@@ -14,7 +14,7 @@ import torch
 
 from specrt import verification
 from specrt.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.backends import OrtHeads, engine_class, pick_device
+from specrt.backends import OrtHeads, StepOutput, engine_class, pick_device
 from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
@@ -25,6 +25,7 @@ from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 MAX_GAMMA = 8
 MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size
+PREFILL_CHUNK = 512       # prompt tokens per prefill pass (see Generator)
 
 
 @dataclass
@@ -40,6 +41,22 @@ class Chunk:
     token_ids: list[int]            # the new tokens
     text: str | None                # the text they complete (None without a tokenizer)
     stats: dict | None = None       # on the last chunk: generate()'s stats
+
+
+@dataclass
+class _Joining:
+    """A request on its way into a batch: its prompt is prefilled chunk by chunk into row `row` (and its copies
+    into the rows after it), which no round reads until it joins (Batch._prefill)."""
+    ids: list[int]
+    max_new: int
+    owners: list
+    row: int
+    cache: object                   # the target cache's row `row` (a KVCache view)
+    done: int = 0                   # prompt positions prefilled so far
+
+    @property
+    def copies(self) -> int:
+        return len(self.owners)
 
 
 @dataclass
@@ -80,7 +97,6 @@ class _Run:
         self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
         self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
-        self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
@@ -152,6 +168,10 @@ class _Run:
     def device(self) -> torch.device:
         return self._tokens.device
 
+    def prompt(self, row: int, m: int) -> torch.Tensor:
+        """(1, m) the first m tokens of row `row`, on the device: a joining request's prompt, live or not."""
+        return self._tokens[row:row + 1, :m]
+
     def last_tokens(self) -> torch.Tensor:
         """(B,) each row's last committed token."""
         return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
@@ -176,10 +196,16 @@ class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
     def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None,
-                 loaders: dict[str, Callable] | None = None):
+                 loaders: dict[str, Callable] | None = None, prefill_chunk: int = PREFILL_CHUNK):
         """`draft`, `medusa`, `eagle`: the drafters' engines (None: the set has none), or in `loaders` functions
         that load them, called when a request first needs one: a process that decodes with one method holds
-        only its engines (the int4 set's drafters take 350 MB resident, more than its target)."""
+        only its engines (the int4 set's drafters take 350 MB resident, more than its target).
+        `prefill_chunk`: prompt tokens per prefill pass. A prompt runs through the target (and the drafter) in
+        passes of at most this many tokens over the cache, so that a pass's activations, its attention scores
+        (chunk × context) and its mask (chunk × chunk) are bounded by the chunk, not by the prompt."""
+        if prefill_chunk < 1:
+            raise InputError(f"prefill chunk {prefill_chunk}: must be at least 1 token (default {PREFILL_CHUNK})")
+        self.prefill_chunk = prefill_chunk
         self.directory, self.manifest = directory, manifest
         self.target, self.tokenizer = target, tokenizer
         self._drafters = {role: e for role, e in (("draft", draft), ("medusa", medusa), ("eagle", eagle))
@@ -206,7 +232,8 @@ class Generator:
     eagle = property(lambda self: self._drafter_engine("eagle"), doc="The EAGLE drafter's engine (loaded on use).")
 
     @classmethod
-    def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None) -> "Generator":
+    def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
+                     prefill_chunk: int = PREFILL_CHUNK) -> "Generator":
         directory = Path(path)
         manifest = read_manifest(directory)
         models = manifest["models"]
@@ -232,7 +259,7 @@ class Generator:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         target = engines.pop("target")()
-        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines)
+        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk)
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
@@ -648,11 +675,17 @@ class Batch:
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
-        """A request joins: its prompt is prefilled on its own in the next free row (copied to `copies` rows, the
-        request's sequences), each row samples its first token. `owner`: the caller's handle for the rows, or a
-        sequence of one per row."""
-        run, gen = self.run, self.gen
-        m, dev = len(ids), run.device
+        """A request joins: its prompt is prefilled in the next free row, in passes of the generator's
+        `prefill_chunk` tokens, then copied to `copies` rows (the request's sequences); each row samples its first
+        token. `owner`: the caller's handle for the rows, or a sequence of one per row."""
+        joining = self._reserve(ids, max_new_tokens, owner, copies)
+        while self._prefill(joining) is None:
+            pass
+
+    def _reserve(self, ids: list[int], max_new_tokens: int, owner, copies: int) -> _Joining:
+        """Check a request and take the rows after the live ones for it, its prompt in their tokens."""
+        run = self.run
+        m = len(ids)
         if m >= run.max_len:
             raise InputError(f"prompt of {m} tokens does not fit the engine's maximum sequence length {run.max_len} "
                              "(it needs room for one new token): shorten the prompt or re-export with a larger "
@@ -665,29 +698,55 @@ class Batch:
                              "are taken")
         owners = list(owner) if isinstance(owner, (list, tuple, range)) else [owner] * copies
         r = run.batch
-        run.rows += [_Row(o, m, max_new_tokens) for o in owners]
+        run._host_tokens[r:r + copies, :m] = ids
+        if run.device.type != "cpu":
+            run._tokens[r:r + copies].copy_(torch.from_numpy(run._host_tokens[r:r + copies]))
+        joining = _Joining(list(ids), max_new_tokens, owners, r, run.pool.row(r))
+        joining.cache.truncate(0)
+        return joining
+
+    def _prefill(self, j: _Joining) -> StepOutput | None:
+        """The next chunk of a joining request's prompt through the target (its last position's logits only) and
+        the drafter, into its row; after the last chunk its rows join. Returns the last chunk's pass once they
+        have (its buffers valid until the next pass), None before."""
+        run, gen = self.run, self.gen
+        m, start, dev = len(j.ids), j.done, run.device
+        S = min(gen.prefill_chunk, m - start)
+        if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
+            run.hidden = run.hidden.clone()
+        prompt = run.prompt(j.row, m)                                                   # (1, m)
+        out = gen._timed(gen.target, j.cache, prompt[:, start:start + S], (start + _arange(S, dev))[None],
+                         chain_mask(1, S, dev), 1)
+        j.cache.write(out.new_kv)
+        j.cache.past_len += S
+        j.done += S
+        if self.drafter is not None:
+            self.drafter.prefill(run, j.row, prompt, start, out.hidden)
+        if j.done < m:
+            return None
+        self._join(j, out)
+        return out
+
+    def _join(self, j: _Joining, out) -> None:
+        """A request's prompt is in its row (`out`: the target's pass over its last chunk): the rows go live, each
+        samples its first token."""
+        run, gen = self.run, self.gen
+        r, m, copies = run.batch, len(j.ids), j.copies
+        assert j.row == r, "a request joins in the row after the live ones"
+        run.rows += [_Row(o, m, j.max_new) for o in j.owners]
         run.resize(r + copies)
-        run.host_tokens[r:, :m] = ids
         run.host_lengths[r:], run.active[r:] = m, True
-        if dev.type != "cpu":
-            run.tokens[r:].copy_(torch.from_numpy(run.host_tokens[r:]))
+        if run.device.type != "cpu":
             run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
-        kept = run.hidden[:r].clone() if r else None   # the live rows' (the prefill reuses the engine's buffers)
-        one = run.pool.row(r)
-        one.truncate(0)
-        out = gen._timed(gen.target, one, run.tokens[r:r + 1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
-        one.write(out.new_kv)
-        one.past_len += m
         for c in range(1, copies):
             run.pool.copy_row(r, r + c, m)
         logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         hidden = out.hidden[:, -1].expand(copies, -1)
-        run.hidden = torch.cat([kept, hidden]) if r else hidden.clone()                # (B, d)
-        run.prompt_hidden = out.hidden                                                  # (1, m, d)
+        run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
         if self.drafter is not None:
             self.drafter.join(run, r, copies)
-        zero = torch.zeros(copies, 1, dtype=torch.int64, device=dev)
+        zero = torch.zeros(copies, 1, dtype=torch.int64, device=run.device)
         gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
 
     def cancel(self, which: Callable[[object], bool]) -> None:
