@@ -62,7 +62,7 @@ bench: engines engines-int4
 	    --out bench-out
 
 # Needs an NVIDIA GPU and the gpu extra (onnxruntime-gpu in place of onnxruntime: pip install -e '.[gpu]'),
-# which is the user's to install; writes gpu-check.json (see README, "GPU check").
+# which is the user's to install; writes gpu-check.json (see docs/gpu.md).
 gpu-check: | $(STAMP)
 	$(SPECRT) gpu-check --out gpu-check.json
 
@@ -99,12 +99,12 @@ train-eagle: train-data
 	$(TRAIN).train_eagle --data $(DISTILL)/data.jsonl --work build/eagle-train --out $(EAGLE) \
 	    --vocab export/drafters/$(DRAFT) --max-minutes 120 --feature-minutes 120
 
-# The EAGLE drafter's acceptance traces, next to its weights (specrt.projection; gpu-check projects EAGLE's speedup
+# The EAGLE drafter's acceptance traces, next to its weights (specrt.measurement.projection; gpu-check projects EAGLE's speedup
 # on a device from them and the device's measured costs): full trees every round of the engine set's tree shape,
 # the 80 MT-Bench dev prompts x 96 tokens, T = 0 and 0.7, about 2 minutes each on 2 cores. Rerun after train-eagle.
 eagle-traces: engines
-	$(PY) -m specrt.projection $(ENGINES) --out $(EAGLE)/rounds_t0.json.gz
-	$(PY) -m specrt.projection $(ENGINES) --temperature 0.7 --out $(EAGLE)/rounds_t07.json.gz
+	$(PY) -m specrt.measurement.projection $(ENGINES) --out $(EAGLE)/rounds_t0.json.gz
+	$(PY) -m specrt.measurement.projection $(ENGINES) --temperature 0.7 --out $(EAGLE)/rounds_t07.json.gz
 
 clean:
 	rm -rf $(VENV) engines/default

@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.manifest import WRITTEN
+from specrt.engines.manifest import WRITTEN
 from specrt.plugins.tree_attention import DOMAIN, OP_TYPE
 
 MS = "com.microsoft"

@@ -151,7 +151,7 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
 
 def shipped_tree(directory: str | Path, num_heads: int):
     """The heads directory's tree.json (a Tree), or None."""
-    from specrt.tree import Tree
+    from specrt.decoding.tree import Tree
     path = Path(directory) / TREE
     if not path.is_file():
         return None

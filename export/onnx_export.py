@@ -57,7 +57,7 @@ def export_graph(model: SpecModel, path: Path) -> None:
 
 
 def model_entry(model: SpecModel, source: str, graph_file: str, directory: Path, eos: list[int]) -> dict:
-    from specrt.manifest import file_entry
+    from specrt.engines.manifest import file_entry
     a = model.args
     return {
         "source": source, "architecture": a.architecture, "vocab_size": a.vocab_size,

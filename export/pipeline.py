@@ -12,7 +12,7 @@ from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
-from specrt.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manifest
+from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -28,6 +28,17 @@ def _max_len(model, requested: int, log=print) -> int:
     return requested
 
 
+def _check_replaceable(out: Path) -> None:
+    """--force replaces an engine set (a directory with a manifest.json) or an empty directory, nothing else: a
+    mistyped --out must not delete someone's folder."""
+    if out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file()):
+        return
+    if out.exists() or out.is_symlink():
+        what = "a directory without manifest.json (not an engine set)" if out.is_dir() else "not a directory"
+        raise InputError(f"--out {out} is {what}: --force replaces only an engine set. Choose another --out, or "
+                         f"move {out} away yourself")
+
+
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
                    medusa: str | None = None, eagle: str | None = None) -> Path:
@@ -37,6 +48,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it (it is replaced only once the new "
                          "export is complete)")
+    _check_replaceable(out)
     import torch
     import onnx
     import transformers

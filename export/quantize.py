@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specrt.errors import BackendError
-from specrt.manifest import sha256_file
+from specrt.engines.manifest import sha256_file
 
 BLOCK = 32
 # MatMulNBits compute: int8 activations, quantized per token and per block of 32 (accuracy_level 4), as llama.cpp

@@ -22,7 +22,7 @@ import torch
 
 from specrt.errors import UnknownSourceError
 from specrt.export.architectures import REGISTRY
-from specrt.manifest import sha256_file
+from specrt.engines.manifest import sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

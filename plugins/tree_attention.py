@@ -143,9 +143,12 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
 def static_function_proto(opset: int = 17) -> onnx.FunctionProto:
     """A second body for the same op, for graphs whose shapes are all fixed (CUDA graph capture): attention over
     the whole static cache [B,Hkv,Smax,D], slots at or past `past_len` masked out, no slice to max(past_len).
-    Its Shape nodes read static shapes only, so ONNX Runtime folds them to constants. Constants follow the
-    query's dtype (CastLike), so float16 and bfloat16 graphs use it unchanged. The cache past `past_len` must
-    hold finite values (zero weight times NaN is NaN); the static caches only ever hold written entries or zeros."""
+    The cache is read where it is, never copied: the scores against the cache and against the new tokens are
+    two products joined along the key axis (G*S rows, not Smax×D), and the context is the sum of the two
+    probability-weighted halves. Its Shape nodes read static shapes only, so ONNX Runtime folds them to
+    constants. Constants follow the query's dtype (CastLike), so float16 and bfloat16 graphs use it unchanged.
+    The cache past `past_len` must hold finite values (zero weight times NaN is NaN); the static caches only ever
+    hold written entries or zeros."""
     n = helper.make_node
 
     def ints(name, vals):
@@ -162,8 +165,6 @@ def static_function_proto(opset: int = 17) -> onnx.FunctionProto:
         scalar("zero", 0, TensorProto.INT64), scalar("one", 1, TensorProto.INT64),
         scalar("fzero", 0.0, TensorProto.FLOAT), scalar("ninf", float("-inf"), TensorProto.FLOAT), scale,
         n("CastLike", ["scale_f", "query"], ["scale"]),
-        n("Concat", ["k_cache", "k_new"], ["keys"], axis=2),             # (B, Hkv, Smax+S, D)
-        n("Concat", ["v_cache", "v_new"], ["values"], axis=2),
         # visibility (B, S, Smax+S): cache slot j iff j < past_len[b]; new token j iff tree_mask[b, i, j]
         n("Shape", ["k_cache"], ["kv_shape"]),                           # [B, Hkv, Smax, D], static
         n("Slice", ["kv_shape", "i2", "i3", "i0"], ["Smax1"]),
@@ -189,8 +190,11 @@ def static_function_proto(opset: int = 17) -> onnx.FunctionProto:
         n("Slice", ["q_shape", "i3", "i4", "i0"], ["D"]),
         n("Concat", ["i0", "Hkv", "im1", "D"], ["qg_shape"], axis=0),
         n("Reshape", ["query", "qg_shape"], ["qg"]),                     # (B, Hkv, G*S, D)
-        n("Transpose", ["keys"], ["keys_t"], perm=[0, 1, 3, 2]),         # (B, Hkv, D, Smax+S)
-        n("MatMul", ["qg", "keys_t"], ["raw"]),                          # (B, Hkv, G*S, Smax+S)
+        n("Transpose", ["k_cache"], ["k_cache_t"], perm=[0, 1, 3, 2]),   # (B, Hkv, D, Smax), fused into the MatMul
+        n("Transpose", ["k_new"], ["k_new_t"], perm=[0, 1, 3, 2]),       # (B, Hkv, D, S)
+        n("MatMul", ["qg", "k_cache_t"], ["raw_cache"]),                 # (B, Hkv, G*S, Smax)
+        n("MatMul", ["qg", "k_new_t"], ["raw_new"]),                     # (B, Hkv, G*S, S)
+        n("Concat", ["raw_cache", "raw_new"], ["raw"], axis=3),          # (B, Hkv, G*S, Smax+S)
         n("Mul", ["raw", "scale"], ["scores"]),
         n("Shape", ["raw"], ["raw_shape"]),
         n("Slice", ["raw_shape", "i3", "i4", "i0"], ["LS"]),
@@ -199,7 +203,11 @@ def static_function_proto(opset: int = 17) -> onnx.FunctionProto:
         n("Add", ["scores5", "bias"], ["masked"]),
         n("Softmax", ["masked"], ["probs5"], axis=-1),
         n("Reshape", ["probs5", "raw_shape"], ["probs"]),                # (B, Hkv, G*S, Smax+S)
-        n("MatMul", ["probs", "values"], ["context"]),                   # (B, Hkv, G*S, D)
+        n("Concat", ["Smax1", "S1"], ["halves"], axis=0),                # [Smax, S]
+        n("Split", ["probs", "halves"], ["p_cache", "p_new"], axis=3),   # (B, Hkv, G*S, Smax), (B, Hkv, G*S, S)
+        n("MatMul", ["p_cache", "v_cache"], ["ctx_cache"]),              # (B, Hkv, G*S, D)
+        n("MatMul", ["p_new", "v_new"], ["ctx_new"]),
+        n("Add", ["ctx_cache", "ctx_new"], ["context"]),                 # (B, Hkv, G*S, D)
         n("Reshape", ["context", "q_shape"], ["output"]),                # (B, H, S, D)
     ]
     return helper.make_function(DOMAIN, OP_TYPE, INPUTS, ["output"], nodes,

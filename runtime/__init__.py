@@ -1,6 +1,6 @@
 """specrt: speculative decoding with exact verification over compiled engines."""
 from specrt.errors import BackendError, InputError, ManifestError, SpecrtError, UnknownSourceError
-from specrt.generate import Chunk, Generation, Generator
+from specrt.decoding.generate import Chunk, Generation, Generator
 
 __all__ = ["Generator", "Generation", "Chunk", "SpecrtError", "InputError", "ManifestError", "BackendError",
            "UnknownSourceError"]

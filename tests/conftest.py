@@ -26,17 +26,19 @@ def tiny_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, h
                pad_token_id=None)
 
 
-def tiny_model(arch: str, seed: int = 0, **kw):
+def tiny_model(arch: str, seed: int = 0, eos: int | None = None, **kw):
+    """A random model; `eos`: its end-of-sequence token (none by default: sequences run to their length)."""
     import transformers
     torch.manual_seed(seed)
     cls = getattr(transformers, REGISTRY[arch].hf_class)
     model = cls(tiny_config(arch, **kw)).eval()
+    model.config.eos_token_id = eos
     if arch == "qwen2":  # give the q/k/v biases values, so that they are tested
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = eos
     return model
 
 
@@ -96,6 +98,18 @@ def smollm2():
 def default_generator(default_engines):
     from specrt import Generator
     return Generator.from_engines(default_engines)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The near ties that greedy comparisons accepted, each with its logit gap (greedy_check.report_tie)."""
+    import greedy_check
+    if not greedy_check.COMPARED[0] and not greedy_check.NEAR_TIES:
+        return
+    terminalreporter.section("near ties")
+    terminalreporter.line(f"{len(greedy_check.NEAR_TIES)} near ties in {greedy_check.COMPARED[0]} greedy comparisons "
+                          f"(first differences with a logit gap below {greedy_check.TIE_GAP})")
+    for line in greedy_check.NEAR_TIES:
+        terminalreporter.line(line)
 
 
 def load_prompts(n: int) -> list[str]:

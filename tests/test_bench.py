@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import export_tiny, tiny_model
-from specrt import llamacpp, rss
-from specrt.bench import bench, load_prompts
+from specrt.measurement import llamacpp, rss
+from specrt.measurement.bench import bench, load_prompts
 from specrt.errors import InputError
 
 VOCAB, NEW = 256, 8
@@ -217,7 +217,7 @@ def test_bench_compares_an_int4_engine_set(engines, tmp_path):
 def test_long_prompts_are_long_and_need_engines_that_hold_them(default_engines, tmp_path):
     """The packaged long-prompt set: 4 documents of 2.5k-7k tokens; engines too short for them are refused before
     any run, with the fix."""
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
     prompts = load_prompts(None, 10, "long_prompts.jsonl")
     gen = Generator.from_engines(default_engines)
     lengths = [len(gen.encode(p.text)) for p in prompts]

@@ -11,7 +11,7 @@ import torch
 from greedy_check import assert_same_or_tie
 from conftest import load_prompts
 from specrt.errors import InputError
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 
 
 def hf_greedy(model, ids, n):

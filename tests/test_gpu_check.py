@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from conftest import export_tiny
 from specrt.cli import main
 from specrt.errors import BackendError
-from specrt.gpu_check import KS, TARGET_SHAPE, check_device, greedy_rows, method_runs
+from specrt.measurement.gpu_check import KS, TARGET_SHAPE, check_device, greedy_rows, method_runs
 
 
 def test_gpu_check_on_the_cpu_writes_the_whole_report(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specrt.export.architectures import REGISTRY
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 
 TOL = 1e-4
 # a tree over 7 nodes: node 0 is the root, parents given per node; siblings at depths 1 and 2

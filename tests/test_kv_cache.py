@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 from test_graph_parity import PARENTS, path, tree_mask
 
 TOL = 1e-5

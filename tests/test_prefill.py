@@ -10,7 +10,7 @@ from conftest import tiny_model
 from greedy_check import assert_same_or_tie
 from specrt.errors import InputError
 from specrt.export.architectures import REGISTRY
-from specrt.generate import Generator
+from specrt.decoding.generate import Generator
 
 TOL = 1e-4
 CHUNK = 8

@@ -41,7 +41,7 @@ def test_medusa(default_generator, smollm2, references):
 
 def test_medusa_automatic_tree(default_generator, smollm2, references, tmp_path):
     """The automatically chosen tree (calibrated on project prompts, never the dev set), used as choices."""
-    from specrt.calibrate import CALIBRATION_PROMPTS, calibrate
+    from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate
     prompts = [default_generator.encode(p) for p in CALIBRATION_PROMPTS[:2]]
     tree = calibrate(default_generator, "medusa", prompts, max_nodes=32, width=4, log=lambda *_: None)
     check_method(default_generator, smollm2.model, references[:2], method="medusa", tree_choices=tree)

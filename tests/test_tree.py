@@ -10,16 +10,16 @@ import torch
 
 from conftest import export_tiny, export_tiny_with_heads, tiny_model
 from greedy_check import assert_same_or_tie
-from specrt import verification
-from specrt.adaptive import TreePolicy
-from specrt.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
-from specrt.drafters import MedusaDrafter
+from specrt.decoding import verification
+from specrt.decoding.adaptive import TreePolicy
+from specrt.decoding.calibrate import calibrate, choose_tree, rank_accuracy, save_tree
+from specrt.decoding.drafters import MedusaDrafter
 from specrt.errors import InputError
 from specrt.export.medusa import MedusaHeads, load_heads, save_heads
 from specrt.export.model import from_hf
-from specrt.generate import Generator
-from specrt.sampling import SamplingParams
-from specrt.tree import Tree
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import SamplingParams
+from specrt.decoding.tree import Tree
 from test_speculative import N, P_MIN, V, chi_square_p, exact_joint
 
 # siblings at depths 1, 2 and 3

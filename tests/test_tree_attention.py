@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from specrt.export.fuse import fuse_graph
-from specrt.manifest import WRITTEN
+from specrt.engines.manifest import WRITTEN
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 
 

@@ -103,7 +103,7 @@ def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: fl
     from rich.progress import track
 
     from specrt import Generator
-    from specrt.drafters import chain_mask
+    from specrt.decoding.drafters import chain_mask
 
     done = torch.load(path) if path.exists() else {}
     todo = [i for i in range(len(rows)) if i not in done and i not in known]

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from specrt.errors import BackendError
-from specrt.kv_cache import KVCache
-from specrt.manifest import logits_width
+from specrt.engines.kv_cache import KVCache
+from specrt.engines.manifest import logits_width
 
 TORCH_TYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT64": torch.int64,
                "INT32": torch.int32, "BOOL": torch.bool}
@@ -134,7 +134,7 @@ class TensorRTEngine:
 
     def _bind(self, B: int, S: int, num_logits: int, feeds: dict[str, torch.Size]) -> None:
         """Shapes and addresses for this (B, S, num_logits); they stay set while it repeats."""
-        from specrt.backends import StepOutput
+        from specrt.engines.base import StepOutput
         s = self.spec
         for name, shape in feeds.items():
             self._set(name, self._static(name, shape))
@@ -155,7 +155,7 @@ class TensorRTEngine:
     # ---- helpers shared with OrtEngine's interface ------------------------------------------------------
     def run_sequence(self, ids: list[int], num_logits: int = 1):
         """One pass over a whole token sequence in a fresh one-row cache (scoring, calibration, checks)."""
-        from specrt.drafters import chain_mask
+        from specrt.engines.base import chain_mask
         cache = self.new_cache(1, len(ids) + 1)
         S = len(ids)
         ids_t = torch.tensor([ids], device=self.device)
@@ -164,11 +164,10 @@ class TensorRTEngine:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached positions
-        (synchronised)."""
-        from specrt.adaptive import measure
-        from specrt.drafters import chain_mask
+        (synchronised); `extra`: further inputs (an EAGLE drafter's features)."""
+        from specrt.engines.base import chain_mask, measure
         cache = self.new_cache(batch, context + k)
         cache.truncate(max(context, 0))
         ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
@@ -177,6 +176,6 @@ class TensorRTEngine:
         stream = torch.cuda.current_stream(self.device)
 
         def one_pass():
-            self.forward(ids, pos, cache.past_len, mask, k, cache)
+            self.forward(ids, pos, cache.past_len, mask, k, cache, **extra)
             stream.synchronize()
         return measure(one_pass, reps)

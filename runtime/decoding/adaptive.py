@@ -1,10 +1,11 @@
 """Adaptive speculation length: choose γ to maximise expected tokens per unit of measured time."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from specrt.engines.base import measure  # noqa: F401  (the policies' callers time passes with it)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -53,15 +54,6 @@ class Costs:
         """E[N] / (γc + verify(γ+1)/verify(1)): the speedup over plain decoding that α and the costs predict."""
         return expected_tokens(alpha, gamma) * self.verify[1] / self.round_time(gamma)
 
-
-def measure(fn, reps: int = 3) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @dataclass

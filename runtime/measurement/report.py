@@ -5,12 +5,13 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from specrt.adaptive import Costs, expected_tokens
+from specrt.decoding.adaptive import Costs, expected_tokens
 
 COLUMNS = ["system", "method", "T", "tokens/s", "speedup", "per prompt", "α", "c", "predicted", "tokens/round", "tree",
            "plain", "host ms", "peak MB"]
 SYSTEM_ORDER = {"specrt": 0, "transformers": 1, "llama.cpp": 2}
 MB = 1e6
+PEER_LOOKUP_TOKENS = 8   # transformers' prompt_lookup_num_tokens, the same cap as specrt's adaptive γ
 
 
 def _mean(xs):
@@ -370,7 +371,6 @@ def _save(fig, path: Path) -> Path:
 
 # ---- all outputs --------------------------------------------------------------------------------------------
 def write_outputs(bench) -> dict:
-    from specrt.bench import PEER_LOOKUP_TOKENS
     cfg, info = bench.config, bench.info
     costs = _costs(info)
     summary = summarize(bench.runs, costs, _eagle_c(info, costs))

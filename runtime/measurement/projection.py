@@ -16,7 +16,7 @@ path's prefix among them (exact at T = 0; at T > 0 the same draw at every node).
 random drafter's acceptance says nothing): the shipped drafter's trace, recorded on the CPU, replayed against
 the GPU's measured costs. It is a model: the trace keeps a round's verified nodes only, so the growth rule sees
 part of each level's frontier (it grows a little less than the runtime), and a plain step moves on to the next
-recorded round. How close it comes is measured on the CPU, where both can be run (README, "GPU check").
+recorded round. How close it comes is measured on the CPU, where both can be run (docs/gpu.md, "The EAGLE projection").
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.adaptive import Costs, TreePolicy
-from specrt.eagle import DECAY, _best_size, level_pays
+from specrt.decoding.adaptive import Costs, TreePolicy
+from specrt.decoding.eagle import DECAY, _best_size, level_pays
 from specrt.errors import InputError
 
 FORMAT = 1
@@ -80,7 +80,7 @@ def load(path: str | Path) -> dict:
         with gzip.open(path, "rt") as f:
             trace = json.load(f)
     except (OSError, ValueError) as e:
-        raise InputError(f"{path}: not an EAGLE trace ({e}); make one with `python -m specrt.projection`") from e
+        raise InputError(f"{path}: not an EAGLE trace ({e}); make one with `python -m specrt.measurement.projection`") from e
     if trace.get("format") != FORMAT:
         raise InputError(f"{path}: trace format {trace.get('format')!r}, this specrt reads {FORMAT}")
     return trace
@@ -153,10 +153,10 @@ def shipped_trace(temperature: float = 0.0) -> Path:
 
 def main(argv=None) -> None:
     import argparse
-    from specrt.bench import load_prompts
-    from specrt.generate import Generator
+    from specrt.measurement.bench import load_prompts
+    from specrt.decoding.generate import Generator
     ap = argparse.ArgumentParser(description="Record an EAGLE acceptance trace (full trees every round) of the "
-                                 "engine set's drafter, for specrt.projection and gpu-check.")
+                                 "engine set's drafter, for specrt.measurement.projection and gpu-check.")
     ap.add_argument("engines", help="an engine set with an EAGLE drafter (the default: engines/default)")
     ap.add_argument("--out", required=True, help="the trace file (.json.gz)")
     ap.add_argument("--prompts", type=Path, default=None, help="a prompt file (default: the MT-Bench dev prompts)")

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specrt.engines.base import chain_mask
 from specrt.errors import InputError
-from specrt.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids, top_k_in_place
-from specrt.tree import Tree
+from specrt.decoding.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids, top_k_in_place
+from specrt.decoding.tree import Tree
 
 
 @dataclass
@@ -54,19 +55,6 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     """0..n-1 on a device, made once (read only)."""
     return torch.arange(n, device=device)
 
-
-def chain_mask(batch: int, size: int, device="cpu") -> torch.Tensor:
-    """Lower-triangular (B, S, S) mask; the small ones of the decode loop are built once per shape (read only:
-    they are bound as engine inputs)."""
-    build = _cached_chain_mask if batch * size * size <= 1 << 16 else _chain_mask
-    return build(batch, size, device)
-
-
-def _chain_mask(batch: int, size: int, device) -> torch.Tensor:
-    return torch.from_numpy(np.broadcast_to(np.tri(size, dtype=bool), (batch, size, size)).copy()).to(device)
-
-
-_cached_chain_mask = functools.lru_cache(maxsize=256)(_chain_mask)
 
 
 class PassInputs:

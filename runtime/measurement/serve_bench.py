@@ -90,7 +90,7 @@ def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dic
 
 def bench_serve(engines: Path, concurrency: list[int], method: str, requests: int, max_tokens: int,
                 threads: int | None, out: Path, log=print) -> dict:
-    from specrt.bench import load_prompts
+    from specrt.measurement.bench import load_prompts
     if not concurrency or min(concurrency) < 1:
         raise InputError(f"--concurrency {concurrency}: give positive numbers, e.g. 1,4,8")
     prompts = [p.text for p in load_prompts(None, requests) if p.text]

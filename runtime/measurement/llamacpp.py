@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from specrt.errors import BackendError, InputError
-from specrt.manifest import sha256_file
+from specrt.engines.manifest import sha256_file
 
 INSTALL = "pip install -e '.[llamacpp]' (llama-cpp-python, which compiles llama.cpp: several minutes)"
 

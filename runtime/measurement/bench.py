@@ -21,10 +21,10 @@ import click
 import numpy as np
 import torch
 
-from specrt import llamacpp, rss
+from specrt.measurement import llamacpp, rss
+from specrt.measurement.report import PEER_LOOKUP_TOKENS
 from specrt.errors import BackendError, InputError, SpecrtError
 
-PEER_LOOKUP_TOKENS = 8   # transformers' prompt_lookup_num_tokens, the same cap as specrt's adaptive γ
 MT_BENCH, LONG_PROMPTS = "mt_bench.jsonl", "long_prompts.jsonl"   # the packaged prompt sets (specrt/data)
 LLAMACPP = ("llama.cpp", "generate")   # the llama.cpp row's (system, method)
 
@@ -50,7 +50,7 @@ class BenchConfig:
     out: Path = Path("bench-out")
     seed: int = 0
     threads: int | None = None
-    device: str = "auto"                 # the engines' device; the transformers peers run there too
+    device: str = "auto"                 # the engines' device (auto: the one they were built for); the peers' too
     llamacpp: bool | None = None         # None: with the peers, where llama-cpp-python is installed
     memory: bool = True                  # peak memory of each method and peer, one fresh process each
     compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
@@ -204,13 +204,13 @@ class _Setup:
     peers: list[str]
     prompts: list[Prompt]
     ids: list[list[int]]
-    llamacpp: object | None      # specrt.llamacpp.LlamaCpp
+    llamacpp: object | None      # specrt.measurement.llamacpp.LlamaCpp
     others: list = field(default_factory=list)   # (system name, Generator, methods) per --compare engine set
 
 
 def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
 
     prompts = load_prompts(cfg.prompts, cfg.num_prompts, LONG_PROMPTS if cfg.long_prompts else MT_BENCH)
     torch.set_num_threads(bench.info["threads"])
@@ -227,7 +227,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
                          f"(e.g. {1 << (longest + cfg.max_new_tokens).bit_length()}) or pass fewer --max-new-tokens")
     models = gen.manifest["models"]
     peers = _peers(cfg, models, bench.notes)
-    llama = _llamacpp(cfg, models["target"], bench)
+    llama = _llamacpp(cfg, models["target"], bench, gen.target.device.type)
     target = load_source(models["target"]["source"]).model.to(gen.target.device)
     assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
     bench.info.update(_floor(target), engines=str(cfg.engines),
@@ -253,7 +253,7 @@ def _cost_entry(gen) -> dict:
     costs = gen.costs()
     entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
     if gen.has("eagle"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
-        from specrt.eagle import DynamicTree
+        from specrt.decoding.eagle import DynamicTree
         entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step
     return entry
 
@@ -266,7 +266,7 @@ def _system_name(gen, taken: list[str]) -> str:
 
 def run_bench(cfg: BenchConfig, progress=None) -> Bench:
     """Every prompt × temperature × (method, peer), interleaved per prompt; then the fixed-γ sweep."""
-    from specrt.backends import default_threads
+    from specrt.engines.base import default_threads
 
     bench = Bench(cfg, info=machine_info(cfg.threads or default_threads()))
     s = _setup(cfg, bench)
@@ -333,7 +333,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
 
 def _runnable(gen, method: str, notes: list[str]) -> bool:
-    from specrt.generate import METHODS
+    from specrt.decoding.generate import METHODS
     if method not in METHODS and method not in TREE_METHODS:
         raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
     if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
@@ -358,7 +358,7 @@ def _peers(cfg: BenchConfig, models: dict, notes: list[str]) -> list[str]:
     return names
 
 
-def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
+def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench, device: str):
     """The llama.cpp peer; None with a note where it was not asked for and cannot run, an error where it was."""
     if not (cfg.peers if cfg.llamacpp is None else cfg.llamacpp):
         return None
@@ -371,8 +371,7 @@ def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
         raise BackendError(f"--llamacpp: llama-cpp-python is not installed: {llamacpp.INSTALL}")
     peer = llamacpp.LlamaCpp(llamacpp.gguf_file(target), target["max_seq_len"], bench.info["threads"])
     bench.info["versions"]["llama_cpp_python"] = llamacpp.version()
-    from specrt.backends import pick_device
-    if pick_device(cfg.device) != "cpu":
+    if device != "cpu":
         bench.notes.append("llama.cpp runs on the CPU (llama-cpp-python as pip builds it by default)")
     return peer
 
@@ -402,11 +401,11 @@ def _memory_specs(cfg: BenchConfig, s: _Setup, bench: Bench) -> list[dict]:
 
 
 def measure_memory(spec: dict) -> dict:
-    """Peak resident memory of one method or peer, in a fresh process (`python -m specrt.bench --memory-child`)
+    """Peak resident memory of one method or peer, in a fresh process (`python -m specrt.measurement.bench --memory-child`)
     that imports what every system's process imports, loads only this system and generates on the bench's
     prompts at the first temperature. The high-water mark is reset after loading (transient load-time
     allocations are not counted, what loading left resident is); GPU memory is not counted."""
-    r = subprocess.run([sys.executable, "-m", "specrt.bench", "--memory-child"], input=json.dumps(spec),
+    r = subprocess.run([sys.executable, "-m", "specrt.measurement.bench", "--memory-child"], input=json.dumps(spec),
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise BackendError(f"peak memory of {spec['system']} {spec['method']}: the measuring process failed "
@@ -433,7 +432,7 @@ def _import_code(spec: dict) -> None:
     if spec["system"] == "transformers":
         import transformers.generation.utils  # noqa: F401
         from specrt.export.architectures import REGISTRY
-        from specrt.manifest import read_manifest
+        from specrt.engines.manifest import read_manifest
         getattr(transformers, REGISTRY[read_manifest(spec["engines"])["models"]["target"]["architecture"]].hf_class)
     elif spec["system"] == LLAMACPP[0]:
         import llama_cpp  # noqa: F401
@@ -441,21 +440,22 @@ def _import_code(spec: dict) -> None:
 
 def _load_system(spec: dict):
     """Load one system as the bench does; return run(ids, seed) -> its run row."""
-    from specrt.backends import pick_device
+    from specrt.engines.base import engine_set_device
     from specrt.export.sources import load_source
-    from specrt.generate import Generator
-    from specrt.manifest import read_manifest
+    from specrt.decoding.generate import Generator
+    from specrt.engines.manifest import read_manifest
 
     temp, new, eos, threads = spec["temperature"], spec["max_new"], spec["eos"], spec["threads"]
     torch.set_num_threads(threads)
     if spec["system"].startswith("specrt"):
         gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
         return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
-    models = read_manifest(spec["engines"])["models"]
+    manifest = read_manifest(spec["engines"])
+    models = manifest["models"]
     if spec["system"] == LLAMACPP[0]:
         peer = llamacpp.LlamaCpp(llamacpp.gguf_file(models["target"]), models["target"]["max_seq_len"], threads)
         return lambda ids, seed: run_llamacpp(peer, ids, temp, new, seed, eos)
-    device = pick_device(spec["device"])
+    device = engine_set_device(manifest, spec["engines"], spec["device"])   # where the engines run, as in the bench
     target = load_source(models["target"]["source"]).model.to(device)
     assistant = load_source(models["draft"]["source"]).model.to(device) if spec["method"] == "hf-assisted" else None
     return lambda ids, seed: run_peer(target, ids, spec["method"], temp, new, seed, eos, assistant)
@@ -496,7 +496,8 @@ def _csv(kind):
                    "timed runs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the device the engine set was built for), cpu or cuda; the peers run there too.")
 @click.option("--compare", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Another engine set of the same target (e.g. built with --target-weights int4) whose methods run "
                    "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
@@ -508,7 +509,7 @@ def bench(engines, prompts, long_prompts, methods, temperatures, max_new_tokens,
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specrt.report import terminal_table, write_outputs
+    from specrt.measurement.report import terminal_table, write_outputs
     if prompts is not None and long_prompts:
         raise click.UsageError("--prompts and --long-prompts: give one prompt set")
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,

@@ -5,7 +5,9 @@ Requests are decoded together (continuous batching): one scheduler thread owns t
 when a row is free and its options match the batch's (method and sampling; a greedy request matches any greedy
 batch of its method), and leaves it when it finishes, when its client has gone or when a stop string came. A
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
-thread of their own and wait for the scheduler's events.
+thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
+(a stream: an error chunk, then [DONE]) and the next batch starts afresh. On SIGTERM (or Ctrl-C) the running
+requests get SHUTDOWN_GRACE_S seconds to finish, then end with an error.
 """
 from __future__ import annotations
 
@@ -29,13 +31,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 import torch
+import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
+from specrt.decoding.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
 
-log = logging.getLogger("specrt.serve")
+log = logging.getLogger("specrt.serving.server")
+
+SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running requests may still take
 
 # ---- the request schema (OpenAI's fields that specrt serves; other fields are ignored) -----------------------------
 
@@ -103,6 +108,17 @@ def _error(message: str, param: str | None = None, code: str | None = None, stat
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _answer(e: Exception) -> APIError:
+    """Any exception as the error a client gets: an InputError is a 400, anything else a 500 that names it."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InputError):
+        return APIError(400, str(e))
+    if isinstance(e, SpecrtError):
+        return APIError(500, str(e))
+    return APIError(500, f"the server failed on this request: {type(e).__name__}: {e} (its log has the details)")
+
+
 # ---- text with stop strings ----------------------------------------------------------------------------------------
 
 
@@ -132,6 +148,11 @@ class StopText:
 
 def _finish(stop_reason: str | None) -> str:
     return "stop" if stop_reason == "eos" else "length"
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: this request was not finished; send it again to a running "
+                         "server", code="server_shutting_down")
 
 
 # ---- the scheduler -------------------------------------------------------------------------------------------------
@@ -169,20 +190,32 @@ class Scheduler:
         self.waiting: collections.deque[Job] = collections.deque()
         self.ready = threading.Condition()
         self.batch: Batch | None = None
-        self.key = None
-        self.closing = False
+        self.key = None                      # the options of the running batch, or of the next one to make
+        self.deadline: float | None = None   # stopping: when the requests still running end (time.monotonic())
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if job.copies > self.capacity:   # it could never join: it would hold up every request behind it
+            raise InputError(f"{job.copies} sequences in one request: the batch holds {self.capacity}")
         with self.ready:
+            if self.stopped:
+                job.put(_shutting_down())
+                return
             self.waiting.append(job)
             self.ready.notify()
 
-    def close(self) -> None:
+    def stop(self, grace: float) -> None:
+        """Shut down: the requests running or waiting get `grace` seconds to finish, then end with an error; the
+        thread ends once none is left."""
         with self.ready:
-            self.closing = True
+            deadline = time.monotonic() + grace
+            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
             self.ready.notify()
+
+    def close(self) -> None:
+        self.stop(0)
         self.thread.join(timeout=30)
 
     @property
@@ -198,34 +231,31 @@ class Scheduler:
                 self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
             with self.ready:
-                while not self.closing and not self.waiting and not self.live:
+                while self.deadline is None and not self.waiting and not self.live:
                     self.ready.wait()
-                if self.closing:
+                if self.deadline is not None and (time.monotonic() >= self.deadline or
+                                                  not self.waiting and not self.live):
+                    self._end_all()
                     return
                 admit = self._admissible()
-            for job in admit:
-                self._admit(job)
-            if self.live:
-                try:
+            try:
+                for job in admit:
+                    self._admit(job)
+                if admit:   # the prefills' first tokens now, not a round later
+                    self._dispatch()
+                if self.live:
                     self.batch.step()
-                except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
-                    log.exception("a round failed; its requests are answered with the error")
-                    for job in {row.owner[0] for row in self.batch.run.rows}:
-                        job.put(e)
-                    self.batch = None
-                    continue
-            self._dispatch()
+                    self._dispatch()
+            except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
+                log.exception("a round failed; its requests are answered with the error")
+                self._fail(e)
 
     def _admissible(self) -> list[Job]:
         """Waiting jobs that join now: from the oldest, while they match the batch and fit. Once a batch has
-        drained, the oldest waiting job's options decide the next (the same batch when they match it)."""
-        if not self.live and self.waiting:
-            first = self.waiting[0]
-            if self.batch is not None and (first.key != self.key or first.copies > self.batch.run.capacity):
-                self.batch, self.key = None, None
-        admit = []
-        free = (self.batch.run.capacity if self.batch is not None else
-                max(self.capacity, self.waiting[0].copies if self.waiting else 0)) - self.live
+        drained (or failed), the oldest waiting job's options decide the next (the same batch when they match)."""
+        if not self.live and self.waiting and self.waiting[0].key != self.key:
+            self.batch, self.key = None, None
+        admit, free = [], self.capacity - self.live
         while self.waiting and self.waiting[0].copies <= free and self.key in (None, self.waiting[0].key):
             job = self.waiting.popleft()
             if job.gone.is_set():
@@ -235,17 +265,38 @@ class Scheduler:
         return admit
 
     def _admit(self, job: Job) -> None:
-        o = job.options
+        o, rows = job.options, self.live
         try:
             if self.batch is None:
-                self.batch = self.gen.batch(max(self.capacity, job.copies), method=o["method"],
-                                            temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"],
-                                            seed=o["seed"], gamma=o["gamma"], tree=o["tree"], adaptive=o["adaptive"])
+                self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
+                                            top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
+                                            tree=o["tree"], adaptive=o["adaptive"])
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
             self.batch.add(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                            copies=job.copies)
         except Exception as e:   # noqa: BLE001 -- answered to the request (an InputError is a 400)
-            job.put(e)
+            if self.batch is None or self.live == rows:
+                job.put(e)
+            else:   # its rows were left half made: the batch cannot go on
+                log.exception("a request failed as it joined the batch; the batch's requests are answered with "
+                              "the error")
+                self._fail(e)
+
+    def _fail(self, e: Exception) -> None:
+        """A round failed: every request of the batch is answered with the error, its rows are let go; the next
+        batch is made afresh (for the waiting requests, or for the rest of this round's admissions)."""
+        if self.batch is not None:
+            for job in {row.owner[0] for row in self.batch.run.rows}:
+                job.put(e)
+        self.batch = None
+
+    def _end_all(self) -> None:
+        """Stopped: the requests still running or waiting end with an error."""
+        e = _shutting_down()
+        self._fail(e)
+        while self.waiting:
+            self.waiting.popleft().put(e)
+        self.stopped = True
 
     def _dispatch(self) -> None:
         """New tokens to their jobs; rows of jobs that have gone are cancelled; finished rows retired."""
@@ -285,6 +336,8 @@ class Server:
         if gen.has(method):   # the default method's drafter now (its load errors too), the others at first use
             getattr(gen, method)
         self.max_len = gen.max_len
+        # the most characters a prompt that fits can have: every token covers at most the longest token's
+        self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
         self.scheduler = Scheduler(gen, max_batch, measure=method != "autoregressive")
 
@@ -301,6 +354,15 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist: this server serves {self.model_name!r}", "model",
                            "model_not_found")
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """A text that cannot fit the model's sequence length even in the tokenizer's longest tokens is refused
+        before it is tokenized (the one tokenizer thread is not held up by a huge prompt)."""
+        if self.token_chars is not None and chars > self.max_len * self.token_chars:
+            raise APIError(400, f"{param}: {chars} characters do not fit the model's maximum sequence length "
+                                f"{self.max_len} (at most {self.max_len * self.token_chars} characters: "
+                                f"{self.token_chars} a token at the most): shorten it", param,
+                           "context_length_exceeded")
 
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -330,6 +392,8 @@ class Server:
 
     def options(self, req: _Request, ids: list[int], param: str, max_tokens: int | None) -> dict:
         """generate()'s keyword arguments for a request whose prompt is `ids`."""
+        if not ids:
+            raise APIError(400, f"{param}: empty: it gives no token to start from; send some text", param)
         if len(ids) >= self.max_len:
             raise APIError(400, f"{param}: {len(ids)} tokens do not fit the model's maximum sequence length "
                                 f"{self.max_len} (with room for one new token): shorten it", param,
@@ -340,10 +404,15 @@ class Server:
                            "specrt.method")
         if req.n > 1 and req.stream:
             raise APIError(400, f"n {req.n}: a stream gives one choice; ask for n=1 or stream=false", "n")
+        if req.n > self.scheduler.capacity:
+            raise APIError(400, f"n {req.n}: this server decodes at most {self.scheduler.capacity} sequences at once "
+                                f"(--max-batch {self.scheduler.capacity}): ask for n <= {self.scheduler.capacity} in "
+                                "each request, or serve with a larger --max-batch", "n")
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
-                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree, adaptive=req.specrt.adaptive)
+                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
+                    adaptive=req.specrt.adaptive)
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
@@ -364,7 +433,7 @@ class Server:
             while ended < copies:
                 event = await queue.get()
                 if isinstance(event, Exception):
-                    raise event
+                    raise _answer(event)   # the scheduler has logged where it came from
                 ended += event[0] == "end"
                 yield event
         finally:
@@ -481,8 +550,9 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
             piece = await anext(pieces)
         if include_usage:
             yield event([], _usage(ids, count))
-    except SpecrtError as e:
-        yield f"data: {json.dumps(_error(str(e), status=500))}\n\n"
+    except Exception as e:   # noqa: BLE001 -- any error ends the stream with an error chunk, then [DONE]
+        e = _answer(e)
+        yield f"data: {json.dumps(_error(e.message, e.param, e.code, e.status))}\n\n"
     finally:
         await pieces.aclose()
     yield "data: [DONE]\n\n"
@@ -502,17 +572,11 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
     app = FastAPI(title="specrt", lifespan=lifespan)
     app.state.server = server
 
+    @app.exception_handler(Exception)   # APIError, InputError (400), any other (500): an OpenAI error object
     @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(InputError)
-    async def input_error(request: Request, e: InputError):
-        return JSONResponse(_error(str(e)), status_code=400)
-
     @app.exception_handler(SpecrtError)
-    async def specrt_error(request: Request, e: SpecrtError):
-        return JSONResponse(_error(str(e), status=500), status_code=500)
+    async def error(request: Request, e: Exception):
+        return _answer(e).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -543,12 +607,17 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         server.check_model(req.model)
+        if isinstance(req.prompt, str):
+            server.check_chars(len(req.prompt), "prompt")
         ids = await server.call(server.completion_ids, req.prompt)
         return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
         server.check_model(req.model)
+        server.check_chars(sum(len(m.role) + (len(m.content) if isinstance(m.content, str) else
+                                              sum(len(p.text) for p in m.content or [])) for m in req.messages),
+                           "messages")
         ids = await server.call(server.chat_ids, req.messages)
         return await server.answer(req, ids, server.options(req, ids, "messages",
                                                             req.max_completion_tokens or req.max_tokens), chat=True)
@@ -559,10 +628,24 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = "autoregressive", device: str = "auto", threads: int | None = None,
           max_batch: int = 8) -> None:
-    """Load ENGINES and serve them until interrupted."""
-    import uvicorn
+    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
     gen = Generator.from_engines(engines, device=device, threads=threads)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
-    uvicorn.run(app, host=host, port=port, log_config=logs)
+    # uvicorn's own limit, should a request not end when the scheduler ends it
+    config = uvicorn.Config(app, host=host, port=port, log_config=logs, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    _Uvicorn(config, app.state.server).run()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, whose shutdown (it waits for the running requests) first tells the scheduler to end them
+    within SHUTDOWN_GRACE_S."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.specrt = server
+
+    async def shutdown(self, sockets=None) -> None:
+        self.specrt.scheduler.stop(SHUTDOWN_GRACE_S)
+        await super().shutdown(sockets)

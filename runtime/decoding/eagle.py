@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from specrt.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
+from specrt.decoding.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.errors import InputError
-from specrt.sampling import top_k_in_place
-from specrt.tree import Tree
+from specrt.decoding.sampling import top_k_in_place
+from specrt.decoding.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,11 @@ class EagleDrafter:
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self.promise = [0.0, 0.0]         # decayed sums: the drafter's rounds' expected drafts (scaled), rounds
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
-        self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.projection)
+        self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
     pool = None   # the cache's rows for the whole batch, made at the first prefill
+    _past = None  # the host's copy of the pool's past_len (a round's pass shape, without reading the device)
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         """A chunk of the request's prompt features (1, S, d) into the history, and its slots into the cache, in
@@ -110,6 +111,8 @@ class EagleDrafter:
             # the CPU's host path (see Generator._verify): the round's bookkeeping in numpy over these views
             self._host_history = self._history.numpy() if self.pool.host_data is not None and \
                 hidden.dtype == torch.float32 else None
+        if self._past is None:
+            self._past = np.zeros(run.capacity, np.int64)
         S, dev = hidden.shape[1], run.device
         self._history[row, start:start + S] = hidden[0]
         one = self.pool.row(row)
@@ -128,10 +131,12 @@ class EagleDrafter:
         for c in range(1, copies):
             self._history[row + c, :m] = self._history[row, :m]
             self.pool.copy_row(row, row + c, m)
+        self._past[row:row + copies] = max(m - 1, 0)
 
     def move(self, src: int, dst: int, count: int) -> None:
         self.pool.copy_row(src, dst, count)
         self._history[dst, :count] = self._history[src, :count]
+        self._past[dst] = self._past[src]
 
     @property
     def history(self) -> torch.Tensor:
@@ -155,9 +160,9 @@ class EagleDrafter:
             slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self.lookup is not None:
-            self.lookup.update(path, n)
+            self.lookup.update(*run.host_pass)
         if self.trace is not None and self._traced is not None:
-            self.trace.append(_traced_round(*self._traced, path, n))
+            self.trace.append(_traced_round(*self._traced, *run.host_pass))
             self._traced = None
         if self._pending is not None:
             before, live, predicted = self._pending
@@ -183,18 +188,22 @@ class EagleDrafter:
 
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
-        logits (B, V) and the predicted feature there (B, d)."""
+        logits (B, V) and the predicted feature there (B, d). The pass's shape comes from the host's copies of
+        the lengths (no read of the device)."""
         B, cache, dev = run.batch, self.cache, run.device
-        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
-        S = max(1, int(count.max()))
+        past = self._past[:B].copy()
+        fed = np.maximum(run.host_lengths - 1 - past, 0)                            # (B,) slots to feed
+        S = max(1, int(fed.max()))
+        num = S - (max(int(fed.min()), 1) - 1)                                      # logits from the earliest last slot
+        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) fed, on the device
         slots = (cache.past_len[:, None] + _arange(S, dev)).clamp(max=run.cache_len - 1)   # (B, S)
         x = self.history.gather(1, slots[..., None].expand(-1, -1, self.history.shape[-1]))  # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
-        num = S - int(last.min())
         out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, features=x)
         cache.write(out.new_kv)
         cache.past_len += count
+        self._past[:B] = past + fed
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
@@ -225,6 +234,7 @@ class EagleDrafter:
         out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num, features=feats)
         cache.write(out.host_kv(), past)
         cache.truncate([p + c for p, c in zip(past, count)])
+        self._past[:B] = cache.host_past
         logits, hidden = out.host_logits(), out.host_hidden()
         return (np.stack([logits[b, j - (S - num)] for b, j in enumerate(last)]),
                 np.stack([hidden[b, j] for b, j in enumerate(last)]))
@@ -489,16 +499,17 @@ class PromptLookup:
             if ids:
                 self._round[b] = (n, ids)
 
-    def update(self, path, accepted) -> None:
-        """After the verify pass (`path` (B, D+1) the accepted paths' node ids, root first; `accepted` (B,) their
-        counts): a chain's nodes whose parent was accepted count as offered, the accepted ones as accepted."""
+    def update(self, path: list[list[int]] | None, accepted: list[int]) -> None:
+        """After the verify pass (`path` the accepted paths' node ids per row, root first; `accepted` their counts:
+        host lists, from the round's read): a chain's nodes whose parent was accepted count as offered, the
+        accepted ones as accepted."""
         chains, self._round = self._round, {}
         if not chains or path is None:
             return
         for key in self.sums:
             self.sums[key] = [DECAY * v for v in self.sums[key]]
         for b, (n, ids) in chains.items():
-            taken = [int(x) for x in path[b][1:int(accepted[b]) + 1]]
+            taken = path[b][1:accepted[b] + 1]
             k = 0
             while k < min(len(ids), len(taken)) and ids[k] == taken[k]:
                 k += 1
@@ -538,15 +549,12 @@ def _lineage(fed: list[tuple]) -> tuple[list, list, tuple]:
 
 
 def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
-    """A verified round of row 0 for specrt.projection: (kind, the nodes' scores, most probable first, their
+    """A verified round of row 0 for specrt.measurement.projection: (kind, the nodes' scores, most probable first, their
     depths, and the ranks in that order of the accepted nodes, root's child first)."""
     order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i])))
     rank = {paths[i]: r for r, i in enumerate(order)}
-    count = int(n[0])
-    if path is None:   # verified as a chain: the pass's own order
-        row = list(range(count + 1))
-    else:
-        row = path[0].tolist() if hasattr(path[0], "tolist") else list(path[0])
+    count = n[0]
+    row = list(range(count + 1)) if path is None else path[0]   # a chain: the pass's own order
     return (kind, [scores[i] for i in order], [len(paths[i]) for i in order],
             [rank[paths[pos - 1]] for pos in row[1:count + 1]])
 
@@ -560,7 +568,7 @@ def level_pays(costs, probs: np.ndarray, frontier: np.ndarray, spent: float, lev
     """Whether another tree level can pay for itself: its k nodes together add at most the frontier's probability
     of tokens (`frontier`, scaled), for one more drafter pass (`level` seconds) and k more nodes to verify; grow
     while that bound beats the best tree of the candidates so far (`probs`, scaled, most probable first; `spent`:
-    the round's drafting so far). EagleDrafter's rounds and specrt.projection's replay both decide by it."""
+    the round's drafting so far). EagleDrafter's rounds and specrt.measurement.projection's replay both decide by it."""
     n = _best_size(costs, probs, spent)
     gain = 1 + probs[:n].sum()
     bound = gain + frontier.sum()
@@ -585,7 +593,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
     through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
     loop's own time per round."""
-    from specrt.calibrate import verify_costs
+    from specrt.decoding.calibrate import verify_costs
     measured = verify_costs(gen, sorted({1, 2, 8} | {s.nodes + 1 for s in shapes}))
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
     draft = gen.eagle
@@ -611,7 +619,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
 
 def save_shape(directory, shape: DynamicTree) -> None:
     """Record the shape in the engine set's manifest: generate uses it for --method eagle."""
-    from specrt.manifest import read_manifest, write_manifest
+    from specrt.engines.manifest import read_manifest, write_manifest
     manifest = read_manifest(directory)
     manifest["models"]["eagle"]["dynamic_tree"] = asdict(shape)
     write_manifest(directory, manifest)

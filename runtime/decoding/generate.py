@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt import verification
-from specrt.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.backends import OrtHeads, StepOutput, engine_class, pick_device
-from specrt.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
-from specrt.eagle import DynamicTree, EagleDrafter
+from specrt.decoding import verification
+from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
+from specrt.engines.base import OrtHeads, StepOutput, engine_set_device
+from specrt.engines.registry import engine_class
+from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
+from specrt.decoding.eagle import DynamicTree, EagleDrafter
 from specrt.errors import InputError, ManifestError
-from specrt.manifest import check_file, read_manifest
-from specrt.sampling import SamplingParams, argmax, probs, sample
-from specrt.tree import DEFAULT_MEDUSA_PATHS, Tree
+from specrt.engines.manifest import check_file, read_manifest
+from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
+from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 MAX_GAMMA = 8
@@ -95,6 +96,7 @@ class _Run:
         self._hidden: torch.Tensor | None = None       # see hidden
         self._path_hidden: torch.Tensor | None = None  # see path_hidden
         self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
+        self.host_pass: tuple | None = None            # its accepted paths' node ids and counts, host lists
         self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.rounds = self.proposed = self.accepted = 0
@@ -115,6 +117,7 @@ class _Run:
         a chain: the pass's own order) and accepted counts (B,), as device tensors or host lists. path_hidden and
         hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
         self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
+        self.host_pass = (path, n) if isinstance(n, list) else None   # a device pass's: from the round's read
 
     @property
     def last_pass(self) -> tuple:
@@ -153,7 +156,7 @@ class _Run:
 
     @hidden.setter
     def hidden(self, value: torch.Tensor) -> None:
-        self._hidden, self._path_hidden, self._pass = value, None, None
+        self._hidden, self._path_hidden, self._pass, self.host_pass = value, None, None, None
 
     def resize(self, n: int) -> None:
         self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
@@ -240,7 +243,7 @@ class Generator:
         if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"]:
             raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
                                 f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
-        device = pick_device(device)
+        device = engine_set_device(manifest, directory, device)
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads
@@ -541,7 +544,11 @@ class Generator:
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
         run.after_pass(out, path, n)
-        return torch.cat([n[:, None], nxt[:, None], width[:, None], tokens], 1).tolist()   # the read
+        read = torch.cat([n[:, None], nxt[:, None], width[:, None], tokens, *([] if path is None else [path])],
+                         1).tolist()   # the read: the commit rows, then a tree's accepted node ids (the drafters')
+        cut = 3 + tokens.shape[1]
+        run.host_pass = (None if path is None else [r[cut:] for r in read], [r[0] for r in read])
+        return [r[:cut] for r in read]
 
     def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,

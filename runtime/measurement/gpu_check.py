@@ -7,7 +7,7 @@
    two engines' logit gap at the first difference);
 4. every method on the device: completes, and its greedy tokens equal the device target's own; host time a round;
 5. target pass times over k = 1..64 tokens for each dtype (float16 and bfloat16 engines built when reached), and
-   EAGLE's speedup projected from them (specrt.projection: the shipped drafter's acceptance, recorded on the CPU,
+   EAGLE's speedup projected from them (specrt.measurement.projection: the shipped drafter's acceptance, recorded on the CPU,
    against this device's target and drafter passes and the loop's host time of step 4; measured as well where
    the real weights are installed).
 Each step prints a progress line; the JSON is rewritten after each, so a stopped run keeps what it measured.
@@ -93,11 +93,11 @@ def check_device(device: str) -> None:
         raise BackendError(f"--device {device!r}: expected cuda or cpu")
     if device == "cpu":
         return
-    import onnxruntime as ort
-    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise BackendError("gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
-                           f"(providers here: {', '.join(ort.get_available_providers())}): pip install "
-                           "'specrt[gpu]' in place of 'specrt[cpu]'; --device cpu runs the same check on the CPU")
+    from specrt.engines.base import cuda_missing
+    missing = cuda_missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
+    if missing:
+        raise BackendError(f"gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
+                           f"whose CUDA provider starts: {missing} (--device cpu runs the same check on the CPU)")
 
 
 def _random_llama(shape: dict, directory: Path, seed: int):
@@ -173,7 +173,7 @@ def build_copy(exported: Path, directory: Path, device: str, dtype: str, log) ->
 def prompt_ids(gen, n: int, seed: int = 0) -> list[list[int]]:
     """MT-Bench prompts where the engine set has a tokenizer, else fixed random ids."""
     if gen.tokenizer is not None:
-        from specrt.bench import load_prompts
+        from specrt.measurement.bench import load_prompts
         return [gen.encode(p.text) for p in load_prompts(None, n)]
     g = torch.Generator().manual_seed(seed)
     V = gen.target.spec["vocab_size"]
@@ -189,7 +189,7 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     """`candidate`'s greedy tokens (method and options `kw`) against `reference`'s target alone; at the first
     difference, both engines' logits there: each one's gap between the two tokens, and their largest
     difference. `refs` keeps the reference's tokens between calls."""
-    from specrt.check import TIE_GAP
+    from specrt.measurement.check import TIE_GAP
     refs = {} if refs is None else refs
     rows = []
     for ids in prompts:
@@ -212,6 +212,27 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     return rows
 
 
+def target_memory(free_before: int, directory: Path) -> dict:
+    """Device memory the CUDA target took as it loaded (its dynamic and width sessions), against its weights file:
+    near 1× when the sessions share one copy of the weights, about one more per width graph if not."""
+    from specrt.engines.manifest import read_manifest
+    torch.cuda.synchronize()
+    used = free_before - torch.cuda.mem_get_info()[0]
+    entry = read_manifest(directory)["models"]["target"]["engine"]
+    weights = (directory / entry["weights_file"]["file"]).stat().st_size
+    return {"device_mb": round(used / 2 ** 20, 1), "weights_mb": round(weights / 2 ** 20, 1),
+            "over_weights": round(used / weights, 2)}
+
+
+def width_fallbacks(gen) -> dict:
+    """Per model with width graphs, the widths whose graph ONNX Runtime refused (or whose pass failed) and why:
+    their passes run a wider graph or the dynamic one (see specrt.engines.static)."""
+    from specrt.engines.static import StaticWidthEngine
+    engines = {"target": gen.target, **{role: getattr(gen, role) for role in ("draft", "eagle") if gen.has(role)}}
+    return {role: {str(w): why for w, why in engine.fallbacks.items()} for role, engine in engines.items()
+            if isinstance(engine, StaticWidthEngine)}
+
+
 def _round_stats(s: dict) -> dict:
     rounds = s.get("rounds") or 0
     return {"tokens": s["tokens"], "rounds": rounds, "tokens_per_s": s.get("tokens_per_s"),
@@ -221,7 +242,7 @@ def _round_stats(s: dict) -> dict:
 
 
 def method_runs() -> list[tuple[str, dict]]:
-    from specrt.generate import METHODS
+    from specrt.decoding.generate import METHODS
     runs = [(m, {"method": m}) for m in METHODS]
     return runs + [("draft-tree", {"method": "draft", "tree": True})]
 
@@ -251,13 +272,13 @@ def pass_times(gen, context: int, reps: int) -> dict:
 
 
 def eagle_projection(gen, methods: dict, passes: dict, context: int, reps: int, real_weights: bool) -> dict:
-    """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.projection):
+    """EAGLE's speedup over autoregressive decoding on this engine set's device, projected (specrt.measurement.projection):
     the shipped drafter's acceptance traces (SmolLM2-135M-Instruct, MT-Bench dev prompts, recorded on the CPU at
     T = 0 and 0.7) replayed against the target's passes of step 5 (`passes`), one drafter pass over a tree level
     timed here the same way, and the loop's host time a round of the method checks (`methods`). With the real
     weights, also the speedup the method checks measured (a few short answers: an indication)."""
-    from specrt import projection
-    from specrt.adaptive import Costs
+    from specrt.measurement import projection
+    from specrt.decoding.adaptive import Costs
     host = {m: (methods.get(m) or {}).get("host_ms_per_round") or 0.0 for m in ("eagle", "autoregressive")}
     out = {"trace": "the shipped SmolLM2-135M EAGLE drafter's, recorded on the CPU", "host_ms_per_round": host}
     traces = {t: projection.load(projection.shipped_trace(t)) for t in (0.0, 0.7)}
@@ -332,7 +353,7 @@ def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
 
 
 def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: Path) -> None:
-    from specrt.generate import Generator
+    from specrt.decoding.generate import Generator
     with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
         src = sources(cfg, work)
         report["weights"] = src["weights"]
@@ -344,7 +365,14 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
     sets = {}
     with progress.step(f"build {cfg.device} float32 engines"):
         sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
+        free = torch.cuda.mem_get_info()[0] if cfg.device == "cuda" else None
         dev = Generator.from_engines(sets["float32"], device=cfg.device)
+        if free is not None:
+            report["target_memory"] = target_memory(free, sets["float32"])
+    report["width_fallbacks"] = width_fallbacks(dev)
+    for role, got in report["width_fallbacks"].items():
+        for w, why in got.items():
+            progress.log(f"    {role} width {w} runs without its graph: {why}")
     prompts = prompt_ids(cpu, cfg.prompts)
     with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
         report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.manifest import file_entry, read_manifest, write_manifest
-from specrt.tree import Tree
+from specrt.engines.manifest import file_entry, read_manifest, write_manifest
+from specrt.decoding.tree import Tree
 
 # project-written calibration prompts (never the benchmark set)
 CALIBRATION_PROMPTS = [
@@ -67,7 +67,7 @@ def verify_costs(gen, sizes) -> dict[int, float]:
 def heads_time(gen) -> float:
     """Seconds of one pass of the Medusa heads (best of 5): a cost every round pays whatever the tree, once per
     tree level for sequential heads (timed on one path)."""
-    from specrt.adaptive import measure
+    from specrt.decoding.adaptive import measure
     heads, K = gen.medusa, gen.medusa.num_heads
     hidden = torch.zeros(1, gen.target.spec["hidden_size"], device=heads.device)
     tokens = torch.zeros(1, K, dtype=torch.int64, device=heads.device)

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible server with continuous batching."""
