@@ -120,3 +120,87 @@ def test_methods_unchanged_by_chunks(with_drafters, method):
 def test_prefill_chunk_must_be_positive(tiny_engines):
     with pytest.raises(InputError, match="prefill chunk 0"):
         Generator.from_engines(tiny_engines["llama"][0], prefill_chunk=0)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "draft", "eagle"])
+def test_a_joining_prompt_prefills_between_rounds(with_drafters, method):
+    """Two rows run; a long prompt joins in chunks, one prefill pass between two rounds, and the first row finishes
+    meanwhile (the joining request's row moves down to the live ones when it joins). Each sequence is its lone
+    greedy run, and the running rows went on while the prompt was prefilled."""
+    gen, model = with_drafters
+    gen.prefill_chunk = CHUNK
+    options = dict(method=method, adaptive=False, gamma=3 if method == "draft" else None)
+    requests = {"a": (prompt_of(5, 10), 3), "b": (prompt_of(6, 11), 24), "c": (prompt_of(LONG, 12), 12)}
+    lone = {k: gen.generate(prompt_ids=p, max_new_tokens=n, **options).token_ids[0] for k, (p, n) in requests.items()}
+    batch = gen.batch(3, **options)
+    for k in "ab":
+        batch.add(*requests[k], owner=k)
+    batch.join(*requests["c"], owner="c")
+    assert batch.taken == 3 and batch.run.batch == 2
+    outputs, rounds_while_joining, moved = {}, 0, False
+    while batch.run.batch or batch.joining:
+        joining = list(batch.joining)
+        if joining and joining[0].done + CHUNK >= LONG:   # its last pass: rows below it have been freed
+            moved = joining[0].row != batch.run.batch
+        if batch.prefill() is None and joining:
+            batch.step()
+            rounds_while_joining += 1
+        elif not joining:
+            batch.step()
+        for row, tokens in batch.retire():
+            outputs[row.owner] = tokens
+    assert moved and rounds_while_joining == -(-LONG // CHUNK) - 1
+    for k, (p, _) in requests.items():
+        assert_same_or_tie(outputs[k], lone[k], p, model)
+
+
+def test_a_cancelled_joining_request_frees_its_rows(with_drafters):
+    gen, _ = with_drafters
+    gen.prefill_chunk = CHUNK
+    batch = gen.batch(2, method="eagle")
+    batch.add(prompt_of(5), 8, owner="a")
+    batch.join(prompt_of(LONG), 8, owner="b")
+    batch.prefill()
+    assert batch.taken == 2 and batch.joining[0].done == CHUNK
+    batch.cancel(lambda owner: owner == "b")
+    assert not batch.joining and batch.taken == 1
+    batch.join(prompt_of(LONG, 1), 8, owner="c")   # its row again
+    while batch.joining:
+        batch.prefill()
+    assert [row.owner for row in batch.run.rows] == ["a", "c"]
+
+
+def test_the_server_streams_on_while_a_long_prompt_is_prefilled(with_drafters):
+    """The scheduler (its real thread) runs a stream; a long prompt arrives: its prefill passes alternate with the
+    stream's rounds, so the stream gets tokens while the prompt is prefilled; each sequence's end reports its time
+    to first token and inter-token latency."""
+    import queue
+    import threading
+
+    from specrt.serving.server import Job, Scheduler
+    gen, _ = with_drafters
+    gen.prefill_chunk = 2
+    events, lock = queue.Queue(), threading.Lock()
+    options = dict(method="autoregressive", temperature=0.0, top_k=0, top_p=1.0, seed=None, gamma=None, tree=False,
+                   adaptive=True)
+    scheduler = Scheduler(gen, 2)
+    try:
+        def job(name, ids, n):
+            return Job(ids, {**options, "max_new_tokens": n}, 1, lambda e: events.put((name, e)))
+        scheduler.submit(job("short", prompt_of(4), WHOLE - 8))
+        assert events.get(timeout=60)[1][0] == "tokens"
+        scheduler.submit(job("long", prompt_of(40, 3), 4))
+        short_tokens_before_long, long_began, ends = 0, False, {}
+        while len(ends) < 2:
+            name, event = events.get(timeout=60)
+            long_began |= name == "long"
+            if event[0] == "end":
+                ends[name] = event[4]
+            elif not long_began:
+                short_tokens_before_long += len(event[2])
+    finally:
+        scheduler.close()
+    # 20 passes of 2 tokens, a round of the stream after each but the last (one token each)
+    assert short_tokens_before_long >= 15
+    for stats in ends.values():
+        assert stats["ttft_s"] > 0 and 0 < stats["itl_mean_s"] <= stats["itl_max_s"], stats

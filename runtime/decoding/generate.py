@@ -1,6 +1,7 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -46,8 +47,8 @@ class Chunk:
 
 @dataclass
 class _Joining:
-    """A request on its way into a batch: its prompt is prefilled chunk by chunk into row `row` (and its copies
-    into the rows after it), which no round reads until it joins (Batch._prefill)."""
+    """A request on its way into a batch: its prompt is prefilled chunk by chunk into row `row` (its copies take the
+    rows after it at the end), which no round reads until it joins (Batch.prefill)."""
     ids: list[int]
     max_new: int
     owners: list
@@ -640,12 +641,14 @@ class Generator:
 
 class Batch:
     """Sequences decoded together, round by round, over one set of engines (continuous batching): `add` a
-    request's prompt between rounds (it is prefilled on its own and joins the next round), `step` runs one round
-    over the live rows, `retire` takes the finished ones out and frees their rows. The rows share the method and
-    the sampling options; each has its own prompt, length, acceptance and stop. Speculation follows the batch
-    size: with several rows live, a round speculates only where the measured pass times at that size say a
-    verify pass still pays for the tokens it adds (on a CPU it stops being nearly free within a few rows), and
-    the stats count rounds by batch size. generate() and `specrt serve` are built on it."""
+    request's prompt between rounds (it is prefilled on its own and joins the next round), or `join` it and run its
+    prefill passes one `prefill` call at a time between the rounds (chunked prefill: a long prompt does not stall
+    the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
+    rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
+    stop. Speculation follows the batch size: with several rows live, a round speculates only where the measured
+    pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
+    free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
+    on it."""
 
     def __init__(self, gen: Generator, capacity: int, cache_len: int | None = None, *, method: str = "autoregressive",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -678,19 +681,40 @@ class Batch:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
                         gen._pool(capacity, cache_len))
+        self.joining: collections.deque[_Joining] = collections.deque()   # oldest first, in rows after the live
         gen.engine_time = 0.0
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
-        """A request joins: its prompt is prefilled in the next free row, in passes of the generator's
-        `prefill_chunk` tokens, then copied to `copies` rows (the request's sequences); each row samples its first
-        token. `owner`: the caller's handle for the rows, or a sequence of one per row."""
-        joining = self._reserve(ids, max_new_tokens, owner, copies)
-        while self._prefill(joining) is None:
-            pass
+        """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
+        self.join(ids, max_new_tokens, owner, copies)
+        while self.joining:
+            self.prefill()
+
+    def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+        """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
+        (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
+        copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
+        the caller's handle for the rows, or a sequence of one per row. Bad requests are refused here."""
+        self.joining.append(self._reserve(ids, max_new_tokens, owner, copies))
+
+    @property
+    def taken(self) -> int:
+        """Rows that are live or held by joining requests."""
+        return self.run.batch + sum(j.copies for j in self.joining)
+
+    def prefill(self) -> StepOutput | None:
+        """The next prefill pass of the oldest joining request (none: nothing is done); after its last pass its
+        rows go live. Returns that pass (its buffers valid until the next pass) once they have, else None."""
+        if not self.joining:
+            return None
+        out = self._prefill(self.joining[0])
+        if out is not None:
+            self.joining.popleft()
+        return out
 
     def _reserve(self, ids: list[int], max_new_tokens: int, owner, copies: int) -> _Joining:
-        """Check a request and take the rows after the live ones for it, its prompt in their tokens."""
+        """Check a request and take rows for it after the live and joining ones, its prompt in their tokens."""
         run = self.run
         m = len(ids)
         if m >= run.max_len:
@@ -700,17 +724,43 @@ class Batch:
         if m >= run.cache_len or max_new_tokens < 1:
             raise InputError(f"prompt of {m} tokens and max_new_tokens {max_new_tokens}: the batch holds "
                              f"{run.cache_len} positions per row, and at least one new token is needed")
-        if run.batch + copies > run.capacity:
-            raise InputError(f"{copies} more sequences do not fit the batch: {run.batch} of {run.capacity} rows "
+        if self.taken + copies > run.capacity:
+            raise InputError(f"{copies} more sequences do not fit the batch: {self.taken} of {run.capacity} rows "
                              "are taken")
         owners = list(owner) if isinstance(owner, (list, tuple, range)) else [owner] * copies
-        r = run.batch
-        run._host_tokens[r:r + copies, :m] = ids
-        if run.device.type != "cpu":
-            run._tokens[r:r + copies].copy_(torch.from_numpy(run._host_tokens[r:r + copies]))
-        joining = _Joining(list(ids), max_new_tokens, owners, r, run.pool.row(r))
+        if self._end() + copies > run.capacity:   # rows freed below the joining ones: close the gaps
+            self._place()
+        joining = _Joining(list(ids), max_new_tokens, owners, self._end(), None)
+        self._tokens_to(joining, joining.row)
         joining.cache.truncate(0)
         return joining
+
+    def _end(self) -> int:
+        """The first row after the live and joining ones."""
+        last = self.joining[-1] if self.joining else None
+        return last.row + last.copies if last else self.run.batch
+
+    def _place(self) -> None:
+        """Each joining request in the first rows after the live ones and the requests before it (rows freed since
+        it came): its row so far (prompt tokens, target and drafter caches) moves there."""
+        r = self.run.batch
+        for j in self.joining:
+            if j.row != r:
+                src = j.row
+                self._tokens_to(j, r)
+                if j.done:
+                    self.run.pool.copy_row(src, r, j.done)
+                    if self.drafter is not None:
+                        self.drafter.move(src, r, j.done)
+            r += j.copies
+
+    def _tokens_to(self, j: _Joining, row: int) -> None:
+        """Request j's rows start at `row` from now: its prompt in their tokens, its prefill in `row`'s cache."""
+        run, m = self.run, len(j.ids)
+        run._host_tokens[row:row + j.copies, :m] = j.ids
+        if run.device.type != "cpu":
+            run._tokens[row:row + j.copies].copy_(torch.from_numpy(run._host_tokens[row:row + j.copies]))
+        j.row, j.cache = row, run.pool.row(row)
 
     def _prefill(self, j: _Joining) -> StepOutput | None:
         """The next chunk of a joining request's prompt through the target (its last position's logits only) and
@@ -739,7 +789,8 @@ class Batch:
         samples its first token."""
         run, gen = self.run, self.gen
         r, m, copies = run.batch, len(j.ids), j.copies
-        assert j.row == r, "a request joins in the row after the live ones"
+        if j.row != r:   # rows retired while it was prefilled
+            self._place()
         run.rows += [_Row(o, m, j.max_new) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
@@ -757,10 +808,12 @@ class Batch:
         gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
 
     def cancel(self, which: Callable[[object], bool]) -> None:
-        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them."""
+        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them. Joining
+        requests whose owners it all picks leave the queue (their rows are free again)."""
         for b, row in enumerate(self.run.rows):
             if which(row.owner) and self.run.active[b]:
                 self.run.active[b], row.stop_reason = False, "cancelled"
+        self.joining = collections.deque(j for j in self.joining if not all(map(which, j.owners)))
 
     def retire(self) -> list[tuple[_Row, list[int]]]:
         """The finished rows and their new tokens, taken out of the batch: the last live rows move into the freed
