@@ -104,6 +104,17 @@ def _parse_ids(text: str | None):
                                  param_hint="--prompt-ids") from None
 
 
+def _prefill_chunk_option():
+    from specrt.decoding.generate import PREFILL_CHUNK
+    return click.option("--prefill-chunk", default=PREFILL_CHUNK, show_default=True, type=click.IntRange(1),
+                        help="Prompt tokens per prefill pass: a long prompt runs through the engines in passes of "
+                             "this many tokens, so that memory is bounded by the chunk, not the prompt (serve: a "
+                             "joining request's passes alternate with the running requests' rounds).")
+
+
+prefill_chunk_option = _prefill_chunk_option()
+
+
 def sampling_options(f):
     for opt in reversed([
         click.option("--max-new-tokens", default=128, show_default=True),
@@ -127,6 +138,7 @@ def sampling_options(f):
                           "measured acceptance and costs. --no-adaptive speculates every round."),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
+        prefill_chunk_option,
     ]):
         f = opt(f)
     return f
@@ -142,7 +154,7 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads, prefill_chunk):
     """Generate from ENGINES."""
     from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -153,7 +165,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
                    num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
                    tree_choices=tree_choices, adaptive=adaptive)
     try:
-        gen = Generator.from_engines(engines, device=device, threads=threads)
+        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
         if stream:
             printed = 0
             for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes
@@ -419,7 +431,8 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")
-def serve(engines, host, port, model_name, method, device, threads, max_batch):
+@prefill_chunk_option
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -430,7 +443,7 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch):
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads, max_batch)
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk)
     except SpecrtError as e:
         _fail(e)
 
@@ -447,12 +460,30 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch):
 @click.option("--threads", default=None, type=int, help="The server's engine threads (default: all cores).")
 @click.option("--out", default="bench-serve-out", show_default=True, type=click.Path(file_okay=False),
               help="Where serve_bench.json, serve_bench.md and the server's log go.")
-def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out):
+@click.option("--long-prompt", default=None, metavar="ID",
+              help="Instead of the waves: --streams short streams (MT-Bench prompts, --max-tokens each) and, once "
+                   "they run, one long prompt (the packaged long prompt ID, e.g. review-letter-answers, 6.6k tokens: "
+                   "engines with --max-seq-len 8192); reports the short streams' largest gap between two tokens "
+                   "and the long request's time to first token.")
+@click.option("--streams", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="--long-prompt: the short streams running when it arrives.")
+@click.option("--prefill-chunk", default=None, type=click.IntRange(1),
+              help="--long-prompt: the server's --prefill-chunk (default: its own).")
+def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
+                prefill_chunk):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
-    batch size (how often each size speculated). Needs the serve extra."""
+    batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
+    streams delays them. Needs the serve extra."""
     from pathlib import Path
-    from specrt.measurement.serve_bench import bench_serve as run
+    from specrt.measurement.serve_bench import bench_long_prompt, bench_serve as run
+    if long_prompt is not None:
+        try:
+            bench_long_prompt(Path(engines), method, streams, max_tokens, threads, prefill_chunk, Path(out),
+                              long_prompt, log=click.echo)
+        except SpecrtError as e:
+            _fail(e)
+        return
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:

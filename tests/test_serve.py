@@ -124,6 +124,7 @@ def test_concurrent_streams_join_one_batch(tiny):
         assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft").token_ids[0], prompt
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
         assert stats["method"] == "draft" and stats["tokens"] == 24
+        assert stats["ttft_s"] > 0 and 0 < stats["itl_mean_s"] <= stats["itl_max_s"]   # the scheduler's timing
     sizes = {int(n) for r in results for n in r[3]["batch_rounds"]}
     assert max(sizes) >= 2, f"the streams were never decoded together: rounds by batch size {sizes}"
 

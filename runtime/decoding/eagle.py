@@ -2,7 +2,7 @@
 
 Cache invariant: before a round the drafter's cache holds slots 0 .. n−2 of a row of n tokens, where slot t
 was fed the target's feature at position t and token t + 1. The target's features are kept by position in a
-per-request history: the prompt's from the prefill (`run.prompt_hidden`), then after every round those of the
+per-request history: the prompt's from the target's prefill passes, then after every round those of the
 accepted path (`run.path_hidden` from `run.path_start`, root first), plain steps included, so a round first
 feeds the slots its cache lacks (catch-up: one pass over the accepted count + 1 per row, more after plain
 steps) and reads the distribution of the first tree level from the last of them.
@@ -97,13 +97,13 @@ class EagleDrafter:
         self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
-    pool = None   # the cache's rows for the whole batch, made at the first join
+    pool = None   # the cache's rows for the whole batch, made at the first prefill
     _past = None  # the host's copy of the pool's past_len (a round's pass shape, without reading the device)
 
-    def join(self, run, row: int, copies: int) -> None:
-        """The request's prompt features into the history, and its prompt but the last slot into the cache (one
-        one-row pass: the first round's catch-up then feeds one slot, as in every later round)."""
-        hidden = run.prompt_hidden                                                  # (1, m, d)
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """A chunk of the request's prompt features (1, S, d) into the history, and its slots into the cache, in
+        the target's chunks: slots start .. start+S−1 but the prompt's last (slot t: feature t, token t+1), so
+        that the first round's catch-up feeds one slot, as in every later round."""
         if self.pool is None:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
@@ -113,16 +113,23 @@ class EagleDrafter:
                 hidden.dtype == torch.float32 else None
         if self._past is None:
             self._past = np.zeros(run.capacity, np.int64)
-        m, dev = hidden.shape[1], run.device
-        self._history[row:row + copies, :m] = hidden
+        S, dev = hidden.shape[1], run.device
+        self._history[row, start:start + S] = hidden[0]
         one = self.pool.row(row)
-        one.truncate(0)
-        if m > 1:
-            out = self.timer(self.engine, one, run.tokens[row:row + 1, 1:m], _arange(m - 1, dev)[None],
-                             chain_mask(1, m - 1, dev), 1, features=hidden[:, :m - 1])
+        if start == 0:
+            one.truncate(0)
+        n = min(S, prompt.shape[1] - 1 - start)
+        if n > 0:
+            out = self.timer(self.engine, one, prompt[:, start + 1:start + 1 + n], (start + _arange(n, dev))[None],
+                             chain_mask(1, n, dev), 1, features=hidden[:, :n])
             one.write(out.new_kv)
-            one.past_len += m - 1
+            one.past_len += n
+
+    def join(self, run, row: int, copies: int) -> None:
+        """The prefilled row (history and cache) to the request's other rows."""
+        m = run.rows[row].prompt_len
         for c in range(1, copies):
+            self._history[row + c, :m] = self._history[row, :m]
             self.pool.copy_row(row, row + c, m)
         self._past[row:row + copies] = max(m - 1, 0)
 
