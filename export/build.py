@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from specrt.errors import BackendError
@@ -20,10 +22,20 @@ def tensorrt_available() -> bool:
 
 
 def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
+    """ONNX Runtime's graph optimisations, saved: the graph `engine`, its weights in `engine`.data (see
+    specrt.export.onnx_files)."""
     import onnxruntime as ort
+
+    from specrt.export.onnx_files import MIN_EXTERNAL, data_path
+    data_path(engine).unlink(missing_ok=True)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(engine)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                     data_path(engine).name)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                     str(MIN_EXTERNAL))
+    options.add_session_config_entry("session.disable_prepacking", "1")   # it only writes the graph: no packed copy
     if threads:
         options.intra_op_num_threads = threads
     ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
@@ -47,9 +59,10 @@ def quantize_int8(graph: Path, out: Path) -> int:
     the bytes (`exact_block_gathers`); returns how many."""
     import logging
 
-    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    nodes = onnx.load(str(graph), load_external_data=False).graph.node
+
+    from specrt.export import onnx_files
+    nodes = onnx_files.load(graph, weights=False).graph.node
     keep = [n.name for n in nodes if n.op_type == "MatMul" and "down_proj" in n.name]
     root = logging.getLogger()
     level = root.level
@@ -57,7 +70,7 @@ def quantize_int8(graph: Path, out: Path) -> int:
     try:
         quantize_dynamic(graph, out, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                          per_channel=True, reduce_range=True, nodes_to_exclude=keep,
-                         extra_options={"MatMulConstBOnly": True})
+                         extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
     finally:
         root.setLevel(level)
     return exact_gathers_file(out, out)
@@ -65,13 +78,12 @@ def quantize_int8(graph: Path, out: Path) -> int:
 
 def exact_gathers_file(graph: Path, out: Path) -> int:
     """`exact_block_gathers` on a graph file, written to `out` where it rewrote any Gather; returns how many."""
-    import onnx
-
+    from specrt.export import onnx_files
     from specrt.export.quantize import exact_block_gathers
-    model = onnx.load(str(graph))
+    model = onnx_files.load(graph)
     gathers = exact_block_gathers(model)
     if gathers:
-        onnx.save(model, str(out))
+        onnx_files.save(model, out)
     return gathers
 
 
@@ -154,50 +166,52 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
 
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
                 target_weights: str = "float32", fuse: bool = False) -> dict:
+    """Build one model's engine in a scratch directory beside the set (every step writes a graph and its data file
+    there), then move the engine and its data file into place."""
+    from specrt.export.onnx_files import data_path, float32_file, remove
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
     engine = directory / f"{role}{suffix}"
-    partial = directory / f".{role}{suffix}.partial"
-    quantized = directory / f".{role}.quantized.partial"
-    fused = directory / f".{role}.fused.partial"
-    weights = spec.get("dtype", "float32")
-    extra = {}
-    try:
+    weights, extra = "float32", {}
+    for stale in directory.glob(f".{role}.build-*"):   # left by a killed build
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f".{role}.build-", dir=directory) as scratch:
+        work = Path(scratch)
+        built = work / engine.name
         if backend == "tensorrt" and role != "medusa":
-            build_tensorrt(graph, partial, spec["max_seq_len"])
+            build_tensorrt(graph, built, spec["max_seq_len"])
         else:
-            source = graph
+            source = float32_file(graph, work / "float32.onnx")   # the graph itself if exported in float32
             if role == "target" and target_weights != "float32":
                 from specrt.export.quantize import quantize_target
-                extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
+                extra["quantized"] = quantize_target(source, work / "quantized.onnx", spec, target_weights)
                 extra["activations"] = "int8"   # per token and block: trees verify as chains (see Generator)
-                source, weights = quantized, target_weights
+                source, weights = work / "quantized.onnx", target_weights
             elif role in DRAFTER_ROLES and drafter_weights == "int8":
-                if quantize_int8(graph, quantized):
+                if quantize_int8(source, work / "quantized.onnx"):
                     extra["embedding"] = "int8 blocks (exact)"
-                source, weights = quantized, "int8"
-            elif role == "target" and exact_gathers_file(graph, quantized):   # the GGUF file's Q8_0 embedding
+                source, weights = work / "quantized.onnx", "int8"
+            elif role == "target" and exact_gathers_file(source, work / "gathers.onnx"):   # a GGUF Q8_0 embedding
                 extra["embedding"] = "int8 blocks (exact)"
-                source = quantized
+                source = work / "gathers.onnx"
             if role in FUSED_ROLES and fuse:
-                extra["fused"] = fuse_file(source, fused, spec)
-                source = fused
-            build_ort(source, partial)
-        os.replace(partial, engine)
-    finally:
-        for path in (partial, quantized, fused):
-            path.unlink(missing_ok=True)
+                extra["fused"] = fuse_file(source, work / "fused.onnx", spec)
+                source = work / "fused.onnx"
+            build_ort(source, built)
+        remove(engine)   # the old engine and its data file
+        for f in (built, data_path(built)):
+            if f.exists():
+                os.replace(f, directory / f.name)
     return {**file_entry(directory, engine.name), "weights": weights,
             "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
 
 
 def fuse_file(graph: Path, out: Path, spec: dict) -> dict:
     """Write `graph` rewritten into fewer, fused ONNX Runtime nodes to `out`; return what was fused."""
-    import onnx
-
+    from specrt.export import onnx_files
     from specrt.export.fuse import fuse_graph
-    model, counts = fuse_graph(onnx.load(str(graph)), spec)
-    onnx.save(model, str(out))
+    model, counts = fuse_graph(onnx_files.load(graph), spec)
+    onnx_files.save(model, out)
     return counts
 
 

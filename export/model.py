@@ -168,7 +168,8 @@ def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -
     args = args_from_config(hf_model.config, arch, max_seq_len)
     cos, sin = rope_tables(hf_model, max_seq_len)
     index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
-    model = SpecModel(args, cos, sin, index)
+    with torch.device("meta"):   # no weights of its own: it takes the model's tensors (assign), no second copy
+        model = SpecModel(args, cos, sin, index)
     state = hf_model.state_dict()
     if "lm_head.weight" not in state:  # tied embeddings
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -176,5 +177,5 @@ def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -
         state["lm_head.weight"] = state["lm_head.weight"].index_select(0, index)   # (K, d)
         state["vocab_index"] = index
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -41,7 +41,9 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
     activation scale per tensor, so a token's logits would depend on the other tokens of a verify pass, and
     speculation would no longer reproduce the target's own greedy output (measured: ngram diverged)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    model = onnx.load(str(graph))
+
+    from specrt.export import onnx_files
+    model = onnx_files.load(graph)
     bits = 4 if weights == "int4" else 8
     counts, added = Counter(), set()
     if "gguf" in spec and bits == 4:
@@ -61,7 +63,7 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
             quiet.setLevel(level)
         model = q.model.model
         counts[f"standard {weights}"] += len(standard)
-    onnx.save(model, str(out))
+    onnx_files.save(model, out)
     return dict(counts)
 
 
@@ -269,7 +271,8 @@ def exact_block_gathers(model: onnx.ModelProto) -> int:
         table = inits.get(node.input[0]) if node.op_type == "Gather" else None
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         if table is not None and node.input[1] not in ranks and not inferred:   # indices computed in the graph
-            ranks.update(_ranks(onnx.shape_inference.infer_shapes(model).graph.value_info))
+            from specrt.export.onnx_files import infer_shapes
+            ranks.update(_ranks(infer_shapes(model).graph.value_info))
             inferred = True
         rank = ranks.get(node.input[1]) if table is not None else None
         if rank is None or axis != 0 or table.data_type != onnx.TensorProto.FLOAT or len(table.dims) != 2 \

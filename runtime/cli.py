@@ -39,13 +39,17 @@ def main():
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
-def export(target, draft, medusa, eagle, out, max_seq_len, force):
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
+                   "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "
+                   "are built from them as float32 or int4/int8.")
+def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
-                       eagle=eagle)
+                       eagle=eagle, dtype=dtype)
     except SpecrtError as e:
         _fail(e)
 
