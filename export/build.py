@@ -80,10 +80,10 @@ def exact_gathers_file(graph: Path, out: Path) -> int:
     """`exact_block_gathers` on a graph file, written to `out` where it rewrote any Gather; returns how many."""
     from specrt.export import onnx_files
     from specrt.export.quantize import exact_block_gathers
-    model = onnx_files.load(graph)
-    gathers = exact_block_gathers(model)
+    model = onnx_files.load(graph, weights=False)
+    gathers = exact_block_gathers(model, graph.parent)
     if gathers:
-        onnx_files.save(model, out)
+        onnx_files.save(model, out, graph.parent)
     return gathers
 
 
@@ -123,7 +123,7 @@ TARGET_WEIGHTS = ("float32", "int8", "int4")
 
 def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8",
           device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS,
-          target_weights: str = "float32", fuse: bool = True) -> dict:
+          target_weights: str = "float32", fuse: bool = True, memory_limit: float | None = None) -> dict:
     """Build every model of the engine set; each engine file is written beside its final name and renamed
     only when complete, and the manifest is updated atomically at the end. `drafter_weights` "int8" quantizes
     the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`). `target_weights`
@@ -131,7 +131,9 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     the target verifies every token, so the output is the quantized target's own. `device` "cuda" builds ONNX
     Runtime engines for the CUDA provider instead (see `specrt.export.cuda_build`: `dtype` weights and compute,
     static-shape target graphs for `widths`). `fuse` rewrites the ONNX Runtime CPU engines of the target and the
-    drafters with a decoder graph (draft, eagle) into fewer, fused nodes (see `specrt.export.fuse`)."""
+    drafters with a decoder graph (draft, eagle) into fewer, fused nodes (see `specrt.export.fuse`). A build that
+    would not fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused
+    before it starts."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
     if target_weights not in TARGET_WEIGHTS:
@@ -142,6 +144,8 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     dtype = resolve_dtype(device, dtype)
     directory = Path(directory)
     manifest = read_manifest(directory)
+    if memory_limit != float("inf"):
+        _check_memory(directory, manifest, "cuda" if device == "cuda" else target_weights, memory_limit)
     if device == "cuda":
         if backend == "tensorrt":
             raise BackendError("--device cuda builds ONNX Runtime engines; TensorRT engines are built without "
@@ -162,6 +166,20 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
     write_manifest(directory, manifest)
     return manifest
+
+
+def _check_memory(directory: Path, manifest: dict, kind: str, limit: float | None) -> None:
+    """Refuse, before any work, a build whose largest model will not fit (the models are built one at a time)."""
+    from specrt.export import memory
+    sizes = [(memory.graph_float32_bytes(directory / spec["graph"]["file"]), role)   # checked when built
+             for role, spec in manifest["models"].items()]
+    size, role = max(sizes)
+    kind = kind if role == "target" else "float32"
+    advice = "Build with --target-weights int4 (about " \
+        f"{memory.build_need(size, 'int4') / memory.GB:.1f} GB)" if kind == "float32" and role == "target" \
+        else "Use a machine with more memory"
+    memory.check(f"building the {role} of {directory}", memory.build_need(size, kind),
+                 f"{size / memory.GB:.1f} GB of float32 weights, {kind} engine", limit, advice)
 
 
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
@@ -210,8 +228,8 @@ def fuse_file(graph: Path, out: Path, spec: dict) -> dict:
     """Write `graph` rewritten into fewer, fused ONNX Runtime nodes to `out`; return what was fused."""
     from specrt.export import onnx_files
     from specrt.export.fuse import fuse_graph
-    model, counts = fuse_graph(onnx_files.load(graph), spec)
-    onnx_files.save(model, out)
+    model, counts = fuse_graph(onnx_files.load(graph, weights=False), spec, graph.parent)
+    onnx_files.save(model, out, graph.parent)   # what was not rewritten is copied from graph's data file
     return counts
 
 

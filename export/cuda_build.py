@@ -142,9 +142,15 @@ def to_dtype(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     if dtype == "float32":
         return model
     from onnxruntime.transformers.float16 import convert_float_to_float16
-    originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+
+    from specrt.export.onnx_files import infer_shapes
+    originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                 if t.data_type == TensorProto.FLOAT} if dtype == "bfloat16" else {}
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
-    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32,
+    shapes = infer_shapes(model).graph.value_info   # on the structure: the converter's own serializes the weights
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(shapes)
+    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32, disable_shape_infer=True,
                                      op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS])
     if dtype == "bfloat16":
         _float16_to_bfloat16(model, originals)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
+from specrt.export import memory
 from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
 from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
@@ -28,12 +29,29 @@ def _max_len(model, requested: int, log=print) -> int:
     return requested
 
 
+def _check_memory(target: str, draft: str | None, dtype: str, limit: float | None) -> None:
+    """Refuse, before loading anything, an export that will not fit (the larger model's weights in `dtype`)."""
+    if limit == float("inf"):
+        return
+    sizes = [(n, s) for s in (target, draft) if s is not None and (n := memory.parameters(s))]
+    if not sizes:
+        return
+    params, source = max(sizes)
+    smaller = "" if dtype != "float32" else \
+        f"Export with --dtype bfloat16 (about {memory.export_need(params, 'bfloat16') / memory.GB:.1f} GB)"
+    memory.check(f"exporting {source}", memory.export_need(params, dtype),
+                 f"{params / 1e9:.2f} B parameters, {params * memory.BYTES[dtype] / memory.GB:.1f} GB in {dtype}",
+                 limit, smaller or "Use a machine with more memory")
+
+
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
-                   medusa: str | None = None, eagle: str | None = None, dtype: str = "float32") -> Path:
+                   medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
+                   memory_limit: float | None = None) -> Path:
     """Trace the models to the ONNX graphs of an engine directory `out`, their weights in `dtype` ("float32",
     "float16" or "bfloat16": checkpoints are read in it, so that a model takes its size in that dtype in memory, once;
-    CUDA engines run it as it is, CPU engines are built from it as float32 or quantized)."""
+    CUDA engines run it as it is, CPU engines are built from it as float32 or quantized). An export that would not
+    fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused first."""
     out = Path(out)
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -42,6 +60,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it (it is replaced only once the new "
                          "export is complete)")
+    _check_memory(target, draft, dtype, memory_limit)
     import torch
     import onnx
     import transformers

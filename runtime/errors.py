@@ -19,3 +19,7 @@ class InputError(SpecrtError):
 
 class BackendError(SpecrtError):
     pass
+
+
+class MemoryLimitError(SpecrtError):
+    """An export or build that would not fit the memory available, said before the work starts (names the sizes)."""

@@ -3,6 +3,7 @@
 exports in float16/bfloat16; the memory check before an export or a build. Real-size runs: `make check-large`."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -16,7 +17,7 @@ from greedy_check import assert_same_or_tie
 from specrt.decoding.generate import Generator
 from specrt.engines.manifest import read_manifest
 from specrt.engines.static import StaticWidthEngine
-from specrt.errors import ManifestError
+from specrt.errors import ManifestError, MemoryLimitError
 from specrt.export.build import build
 from specrt.export.model import from_hf
 from specrt.export.onnx_files import MIN_EXTERNAL
@@ -173,6 +174,22 @@ def test_export_shares_the_checkpoint_tensors():
             assert spec.state_dict()[name].data_ptr() == tensor.data_ptr(), name
 
 
+def test_memory_check_refuses_before_any_work(tmp_path):
+    model = tiny_model("llama", seed=3, vocab=V)
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(MemoryLimitError, match=r"exporting .*src \(0\.00 B parameters, 0\.0 GB in float32\) needs "
+                                               r"about 1\.0 GB of memory; the limit is 0\.5 GB available.*--dtype "
+                                               r"bfloat16.*--no-memory-check"):
+        export_engines(str(tmp_path / "src"), tmp_path / "out", memory_limit=0.5e9, **QUIET)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    export_engines(str(tmp_path / "src"), tmp_path / "out", max_seq_len=32, **QUIET)
+    before = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    with pytest.raises(MemoryLimitError, match=r"building the target of .*needs about 1\.0 GB.*--target-weights int4"):
+        build(tmp_path / "out", "onnxruntime", memory_limit=0.5e9, **QUIET)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == before   # nothing built
+    assert not list((tmp_path / "out").glob("*.ort.onnx*"))
+
+
 def test_exported_half_graph_runs_as_exported(tmp_path):
     """The bfloat16 export is a valid float32-compute graph as it stands (ONNX Runtime widens its weights)."""
     import onnxruntime as ort
@@ -184,3 +201,25 @@ def test_exported_half_graph_runs_as_exported(tmp_path):
     got = ort.InferenceSession(str(out / "target.onnx")).run(["logits"], feeds)[0]
     want = ort.InferenceSession(str(fp / "target.onnx")).run(["logits"], feeds)[0]
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_a_graph_rewritten_over_its_own_data_file(tmp_path):
+    """ONNX Runtime's quantizer stores Constant nodes' values as external data too; rewriting such a graph over its
+    own file (the int8 drafters' exact-gather step) keeps every value."""
+    from onnx import helper, numpy_helper
+
+    from specrt.export import onnx_files
+    w, c = np.arange(512, dtype=np.float32).reshape(16, 32), np.full((16, 32), 0.5, np.float32)
+    nodes = [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(c, "c")),
+             helper.make_node("MatMul", ["x", "w"], ["y0"]), helper.make_node("Add", ["y0", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 32])],
+                              [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "g.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+                    save_as_external_data=True, location="g.onnx.data", convert_attribute=True, size_threshold=0)
+    model = onnx_files.load(path, weights=False)
+    onnx_files.save(model, path, tmp_path)
+    import onnxruntime as ort
+    x = np.eye(16, dtype=np.float32)
+    np.testing.assert_array_equal(ort.InferenceSession(str(path)).run(None, {"x": x})[0], w + c)

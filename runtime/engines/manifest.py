@@ -31,7 +31,8 @@ def external_data(path: Path) -> list[str]:
     graphs = [model.graph]
     while graphs:
         g = graphs.pop()
-        for t in g.initializer:
+        tensors = [*g.initializer, *(a.t for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR)]
+        for t in tensors:
             names.update(e.value for e in t.external_data if e.key == "location")
         graphs += [a.g for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
     return sorted(names)
