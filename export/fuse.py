@@ -44,6 +44,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.engines.manifest import WRITTEN
+from specrt.export.onnx_files import array
 from specrt.plugins.tree_attention import DOMAIN, OP_TYPE
 
 MS = "com.microsoft"
@@ -52,8 +53,8 @@ MS = "com.microsoft"
 class _Graph:
     """Producers, consumers and constant values of a graph's tensors."""
 
-    def __init__(self, model: onnx.ModelProto):
-        self.g = model.graph
+    def __init__(self, model: onnx.ModelProto, base=None):
+        self.g, self.base = model.graph, base   # base: the directory of the weights not loaded (see onnx_files)
         self.producer = {o: n for n in self.g.node for o in n.output}
         self.consumers = defaultdict(list)
         for n in self.g.node:
@@ -67,7 +68,7 @@ class _Graph:
     def const(self, name: str) -> np.ndarray | None:
         identity = self.op(name, "Identity")   # the exporter shares equal weights through Identity nodes
         t = self.values.get(identity.input[0] if identity is not None else name)
-        return None if t is None else numpy_helper.to_array(t)
+        return None if t is None else array(t, self.base)
 
     def op(self, name: str, op_type: str):
         """The node that produces `name` if it is an `op_type`, else None."""
@@ -75,13 +76,14 @@ class _Graph:
         return n if n is not None and n.op_type == op_type else None
 
 
-def fuse_graph(model: onnx.ModelProto, spec: dict) -> tuple[onnx.ModelProto, dict]:
+def fuse_graph(model: onnx.ModelProto, spec: dict, base=None) -> tuple[onnx.ModelProto, dict]:
     """Rewrite `model` (an exported contract graph; its MatMuls may be quantized already) in place; return it and
-    the count of each fusion."""
+    the count of each fusion. `base`: the directory of its data file, if it was loaded without its weights (each is
+    read when a rewrite needs it)."""
     counts = Counter()
     for rewrite in (_merge_nbits, _merge_matmuls, _fuse_rope, _inline_attention, _fuse_norms):
         new_nodes, dead = [], set()
-        rewrite(_Graph(model), spec, new_nodes, dead, counts)
+        rewrite(_Graph(model, base), spec, new_nodes, dead, counts)
         _apply(model, new_nodes, dead)
     _prune(model)
     if counts["attention"]:

@@ -259,10 +259,12 @@ def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -
     cos, sin = rope_tables(hf_model, max_seq_len, "full_attention" if arch.local_rope else None)
     local = rope_tables(hf_model, max_seq_len, "sliding_attention") if any(args.local_rope) else None
     index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
-    model = SpecModel(args, cos, sin, index, local)
+    with torch.device("meta"):   # no weights of its own: it takes the model's tensors (assign), no second copy
+        model = SpecModel(args, cos, sin, index, local)
     state = hf_weights(state, arch, args)
     if index is not None:
         state["lm_head.weight"] = state["lm_head.weight"].index_select(0, index)   # (K, d)
         state["vocab_index"] = index
-    model.load_state_dict(state, strict=True)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -59,7 +59,8 @@ def _eos_ids(model) -> list[int]:
     return ids
 
 
-def load_source(name: str) -> Source:
+def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
+    """The model `name` with its weights in `dtype` (a checkpoint is read in that dtype directly)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -67,7 +68,7 @@ def load_source(name: str) -> Source:
     if name == DEFAULT_TARGET:
         d = _smollm2_dir()
         model, tok = _load_gguf(d, GGUF_FILE)
-        return Source(name, model.eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
+        return Source(name, model.to(dtype).eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
     path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise UnknownSourceError(
@@ -76,7 +77,7 @@ def load_source(name: str) -> Source:
             "(one that holds config.json and weights)")
     config = AutoConfig.from_pretrained(path)
     architecture_of(config, repr(name))   # refuses, by name, what the graph does not implement
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -75,9 +75,10 @@ def register() -> None:
 
 
 def strip_function(graph: Path) -> bytes:
-    """TensorRT maps the node to the plugin: drop the ONNX function body, name the plugin namespace."""
+    """TensorRT maps the node to the plugin: drop the ONNX function body, name the plugin namespace. The weights
+    stay in the graph's external data file (the parser reads them from beside `graph`)."""
     import onnx
-    model = onnx.load(str(graph))
+    model = onnx.load(str(graph), load_external_data=False)
     del model.functions[:]
     for node in model.graph.node:
         if node.domain == DOMAIN and node.op_type == OP_TYPE:
@@ -103,7 +104,7 @@ def build_engine(graph: Path, engine: Path, max_len: int, max_batch: int = 8, fp
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(strip_function(graph)):
+    if not parser.parse(strip_function(graph), path=str(graph)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise BackendError(f"TensorRT could not parse {graph}: {errors}")
     config = builder.create_builder_config()

@@ -44,13 +44,19 @@ def main():
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
               "only once the new export is complete; any other existing OUT is refused.")
-def export(target, draft, medusa, eagle, out, max_seq_len, force):
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
+                   "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "
+                   "are built from them as float32 or int4/int8.")
+@click.option("--no-memory-check", is_flag=True,
+              help="Export even where the estimate says the machine's available memory is too small.")
+def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype, no_memory_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
-                       eagle=eagle)
+                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None)
     except SpecrtError as e:
         _fail(e)
 
@@ -80,12 +86,14 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
               help="Rewrite the ONNX Runtime CPU engines of the target, draft and EAGLE drafter into fewer, fused "
                    "nodes (RoPE, RMSNorm with the residual add, attention without per-layer shape arithmetic). "
                    "--no-fuse builds the exported graphs as they are.")
-def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse):
+@click.option("--no-memory-check", is_flag=True,
+              help="Build even where the estimate says the machine's available memory is too small.")
+def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse, no_memory_check):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
         do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype,
-                 target_weights=target_weights, fuse=fuse)
+                 target_weights=target_weights, fuse=fuse, memory_limit=float("inf") if no_memory_check else None)
     except SpecrtError as e:
         _fail(e)
 

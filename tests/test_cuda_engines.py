@@ -77,16 +77,18 @@ def test_manifest_records_widths_and_hashes(engine_sets):
     _, cuda, _ = engine_sets
     entry = read_manifest(cuda)["models"]["target"]["engine"]
     assert (entry["device"], entry["dtype"], sorted(entry["widths"], key=int)) == ("cuda", "float32", ["1", "2", "4", "8"])
-    for f in [entry, entry["weights_file"], *entry["widths"].values()]:
+    [weights] = entry["data"]   # the shared weights file, checked with the engine graph when it loads
+    assert weights["file"] == "target.cuda.weights"
+    for f in [entry, weights, *entry["widths"].values()]:
         assert sha256_file(cuda / f["file"]) == f["sha256"]
     referenced = 0   # bytes the graphs read from the shared file, counted once per graph
     for f in [entry, *entry["widths"].values()]:
         graph = onnx.load(str(cuda / f["file"]), load_external_data=False).graph
         external = [{e.key: e.value for e in t.external_data} for t in graph.initializer
                     if t.data_location == TensorProto.EXTERNAL]
-        assert external and {e["location"] for e in external} == {entry["weights_file"]["file"]}
+        assert external and {e["location"] for e in external} == {weights["file"]}
         referenced += sum(int(e["length"]) for e in external)
-    size = (cuda / entry["weights_file"]["file"]).stat().st_size
+    size = (cuda / weights["file"]).stat().st_size
     assert size * 4 < referenced, f"{size} bytes of weights for {referenced} referenced: each tensor stored once"
 
 

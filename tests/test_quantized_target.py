@@ -217,7 +217,7 @@ def smollm2_int4(default_engines, tmp_path_factory):
     """The default engine set with its target rebuilt int4 from the same exported graphs (its GGUF blocks)."""
     import shutil
     directory = tmp_path_factory.mktemp("smollm2-int4") / "engines"
-    shutil.copytree(default_engines, directory, ignore=shutil.ignore_patterns("*.ort.onnx"))
+    shutil.copytree(default_engines, directory, ignore=shutil.ignore_patterns("*.ort.onnx*"))
     build(directory, "onnxruntime", log=lambda *_: None, target_weights="int4")
     return directory
 
