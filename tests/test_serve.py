@@ -124,6 +124,7 @@ def test_concurrent_streams_join_one_batch(tiny):
         assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft").token_ids[0], prompt
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
         assert stats["method"] == "draft" and stats["tokens"] == 24
+        assert stats["ttft_s"] > 0 and 0 < stats["itl_mean_s"] <= stats["itl_max_s"]   # the scheduler's timing
     sizes = {int(n) for r in results for n in r[3]["batch_rounds"]}
     assert max(sizes) >= 2, f"the streams were never decoded together: rounds by batch size {sizes}"
 
@@ -296,7 +297,10 @@ def test_failed_round_leaves_the_server_serving(fresh, default_generator):
     code, doc = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, **FAILING})
     assert code == 500 and doc["error"]["type"] == "server_error" and re.match(FAILED, doc["error"]["message"])
 
-    others = [{"temperature": 0.8, "seed": 3}, {"temperature": 0.8}, {"temperature": 0},
+    # seeded: the same draws as generate() only by the same method with no timing-driven choices (auto may pick an
+    # adaptive method, whose rounds follow measured times)
+    others = [{"temperature": 0.8, "seed": 3, "specrt": {"method": "autoregressive"}}, {"temperature": 0.8},
+              {"temperature": 0},
               {"temperature": 0, "specrt": {"method": "ngram"}}]
     with ThreadPoolExecutor(len(others)) as pool:   # one that waits for ever times out
         answers = list(pool.map(lambda o: post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **o},
@@ -305,7 +309,8 @@ def test_failed_round_leaves_the_server_serving(fresh, default_generator):
         assert code == 200 and doc["usage"]["completion_tokens"] == 8, (options, doc)
     ids = gen.encode(PROMPT, chat=False)
     assert answers[0][1]["choices"][0]["token_ids"] == \
-        gen.generate(prompt_ids=ids, max_new_tokens=8, temperature=0.8, seed=3).token_ids[0]
+        gen.generate(prompt_ids=ids, max_new_tokens=8, temperature=0.8, seed=3,
+                     method="autoregressive").token_ids[0]
     assert answers[2][1]["choices"][0]["token_ids"] == gen.generate(prompt_ids=ids, max_new_tokens=8).token_ids[0]
 
 

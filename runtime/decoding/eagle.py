@@ -2,7 +2,7 @@
 
 Cache invariant: before a round the drafter's cache holds slots 0 .. n−2 of a row of n tokens, where slot t
 was fed the target's feature at position t and token t + 1. The target's features are kept by position in a
-per-request history: the prompt's from the prefill (`run.prompt_hidden`), then after every round those of the
+per-request history: the prompt's from the target's prefill passes, then after every round those of the
 accepted path (`run.path_hidden` from `run.path_start`, root first), plain steps included, so a round first
 feeds the slots its cache lacks (catch-up: one pass over the accepted count + 1 per row, more after plain
 steps) and reads the distribution of the first tree level from the last of them.
@@ -97,12 +97,13 @@ class EagleDrafter:
         self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
-    pool = None   # the cache's rows for the whole batch, made at the first join
+    pool = None   # the cache's rows for the whole batch, made at the first prefill
+    _past = None  # the host's copy of the pool's past_len (a round's pass shape, without reading the device)
 
-    def join(self, run, row: int, copies: int) -> None:
-        """The request's prompt features into the history, and its prompt but the last slot into the cache (one
-        one-row pass: the first round's catch-up then feeds one slot, as in every later round)."""
-        hidden = run.prompt_hidden                                                  # (1, m, d)
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """A chunk of the request's prompt features (1, S, d) into the history, and its slots into the cache, in
+        the target's chunks: slots start .. start+S−1 but the prompt's last (slot t: feature t, token t+1), so
+        that the first round's catch-up feeds one slot, as in every later round."""
         if self.pool is None:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
@@ -110,21 +111,32 @@ class EagleDrafter:
             # the CPU's host path (see Generator._verify): the round's bookkeeping in numpy over these views
             self._host_history = self._history.numpy() if self.pool.host_data is not None and \
                 hidden.dtype == torch.float32 else None
-        m, dev = hidden.shape[1], run.device
-        self._history[row:row + copies, :m] = hidden
+        if self._past is None:
+            self._past = np.zeros(run.capacity, np.int64)
+        S, dev = hidden.shape[1], run.device
+        self._history[row, start:start + S] = hidden[0]
         one = self.pool.row(row)
-        one.truncate(0)
-        if m > 1:
-            out = self.timer(self.engine, one, run.tokens[row:row + 1, 1:m], _arange(m - 1, dev)[None],
-                             chain_mask(1, m - 1, dev), 1, features=hidden[:, :m - 1])
+        if start == 0:
+            one.truncate(0)
+        n = min(S, prompt.shape[1] - 1 - start)
+        if n > 0:
+            out = self.timer(self.engine, one, prompt[:, start + 1:start + 1 + n], (start + _arange(n, dev))[None],
+                             chain_mask(1, n, dev), 1, features=hidden[:, :n])
             one.write(out.new_kv)
-            one.past_len += m - 1
+            one.past_len += n
+
+    def join(self, run, row: int, copies: int) -> None:
+        """The prefilled row (history and cache) to the request's other rows."""
+        m = run.rows[row].prompt_len
         for c in range(1, copies):
+            self._history[row + c, :m] = self._history[row, :m]
             self.pool.copy_row(row, row + c, m)
+        self._past[row:row + copies] = max(m - 1, 0)
 
     def move(self, src: int, dst: int, count: int) -> None:
         self.pool.copy_row(src, dst, count)
         self._history[dst, :count] = self._history[src, :count]
+        self._past[dst] = self._past[src]
 
     @property
     def history(self) -> torch.Tensor:
@@ -148,9 +160,9 @@ class EagleDrafter:
             slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self.lookup is not None:
-            self.lookup.update(path, n)
+            self.lookup.update(*run.host_pass)
         if self.trace is not None and self._traced is not None:
-            self.trace.append(_traced_round(*self._traced, path, n))
+            self.trace.append(_traced_round(*self._traced, *run.host_pass))
             self._traced = None
         if self._pending is not None:
             before, live, predicted = self._pending
@@ -177,18 +189,22 @@ class EagleDrafter:
 
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
-        logits (B, V) and the predicted feature there (B, d)."""
+        logits (B, V) and the predicted feature there (B, d). The pass's shape comes from the host's copies of
+        the lengths (no read of the device)."""
         B, cache, dev = run.batch, self.cache, run.device
-        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
-        S = max(1, int(count.max()))
+        past = self._past[:B].copy()
+        fed = np.maximum(run.host_lengths - 1 - past, 0)                            # (B,) slots to feed
+        S = max(1, int(fed.max()))
+        num = S - (max(int(fed.min()), 1) - 1)                                      # logits from the earliest last slot
+        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) fed, on the device
         slots = (cache.past_len[:, None] + _arange(S, dev)).clamp(max=run.cache_len - 1)   # (B, S)
         x = self.history.gather(1, slots[..., None].expand(-1, -1, self.history.shape[-1]))  # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
-        num = S - int(last.min())
         out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, features=x)
         cache.write(out.new_kv)
         cache.past_len += count
+        self._past[:B] = past + fed
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
@@ -219,6 +235,7 @@ class EagleDrafter:
         out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num, features=feats)
         cache.write(out.host_kv(), past)
         cache.truncate([p + c for p, c in zip(past, count)])
+        self._past[:B] = cache.host_past
         logits, hidden = out.host_logits(), out.host_hidden()
         return (np.stack([logits[b, j - (S - num)] for b, j in enumerate(last)]),
                 np.stack([hidden[b, j] for b, j in enumerate(last)]))
@@ -520,16 +537,17 @@ class PromptLookup:
             if ids:
                 self._round[b] = (n, ids)
 
-    def update(self, path, accepted) -> None:
-        """After the verify pass (`path` (B, D+1) the accepted paths' node ids, root first; `accepted` (B,) their
-        counts): a chain's nodes whose parent was accepted count as offered, the accepted ones as accepted."""
+    def update(self, path: list[list[int]] | None, accepted: list[int]) -> None:
+        """After the verify pass (`path` the accepted paths' node ids per row, root first; `accepted` their counts:
+        host lists, from the round's read): a chain's nodes whose parent was accepted count as offered, the
+        accepted ones as accepted."""
         chains, self._round = self._round, {}
         if not chains or path is None:
             return
         for key in self.sums:
             self.sums[key] = [DECAY * v for v in self.sums[key]]
         for b, (n, ids) in chains.items():
-            taken = [int(x) for x in path[b][1:int(accepted[b]) + 1]]
+            taken = path[b][1:accepted[b] + 1]
             k = 0
             while k < min(len(ids), len(taken)) and ids[k] == taken[k]:
                 k += 1
@@ -573,11 +591,8 @@ def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
     depths, and the ranks in that order of the accepted nodes, root's child first)."""
     order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i])))
     rank = {paths[i]: r for r, i in enumerate(order)}
-    count = int(n[0])
-    if path is None:   # verified as a chain: the pass's own order
-        row = list(range(count + 1))
-    else:
-        row = path[0].tolist() if hasattr(path[0], "tolist") else list(path[0])
+    count = n[0]
+    row = list(range(count + 1)) if path is None else path[0]   # a chain: the pass's own order
     return (kind, [scores[i] for i in order], [len(paths[i]) for i in order],
             [rank[paths[pos - 1]] for pos in row[1:count + 1]])
 

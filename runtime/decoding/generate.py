@@ -1,6 +1,7 @@
 """The generation loop: propose → verify → accept → commit, over engines of one engine directory."""
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 
 from specrt.decoding import tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import OrtHeads, pick_device
+from specrt.engines.base import OrtHeads, StepOutput, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures
@@ -27,6 +28,7 @@ METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
 AUTO = tuning.AUTO   # the method the engine set's tuning chose for the regime, else tuning.rule's
 MAX_GAMMA = 8
 MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size
+PREFILL_CHUNK = 512       # prompt tokens per prefill pass (see Generator)
 
 
 @dataclass
@@ -42,6 +44,22 @@ class Chunk:
     token_ids: list[int]            # the new tokens
     text: str | None                # the text they complete (None without a tokenizer)
     stats: dict | None = None       # on the last chunk: generate()'s stats
+
+
+@dataclass
+class _Joining:
+    """A request on its way into a batch: its prompt is prefilled chunk by chunk into row `row` (its copies take the
+    rows after it at the end), which no round reads until it joins (Batch.prefill)."""
+    ids: list[int]
+    max_new: int
+    owners: list
+    row: int
+    cache: object                   # the target cache's row `row` (a KVCache view)
+    done: int = 0                   # prompt positions prefilled so far
+
+    @property
+    def copies(self) -> int:
+        return len(self.owners)
 
 
 @dataclass
@@ -80,9 +98,9 @@ class _Run:
         self._hidden: torch.Tensor | None = None       # see hidden
         self._path_hidden: torch.Tensor | None = None  # see path_hidden
         self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
+        self.host_pass: tuple | None = None            # its accepted paths' node ids and counts, host lists
         self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
-        self.prompt_hidden: torch.Tensor | None = None  # (1, m, d) the last joined prompt's (valid until the next pass)
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
@@ -101,6 +119,7 @@ class _Run:
         a chain: the pass's own order) and accepted counts (B,), as device tensors or host lists. path_hidden and
         hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
         self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
+        self.host_pass = (path, n) if isinstance(n, list) else None   # a device pass's: from the round's read
 
     @property
     def last_pass(self) -> tuple:
@@ -139,7 +158,7 @@ class _Run:
 
     @hidden.setter
     def hidden(self, value: torch.Tensor) -> None:
-        self._hidden, self._path_hidden, self._pass = value, None, None
+        self._hidden, self._path_hidden, self._pass, self.host_pass = value, None, None, None
 
     def resize(self, n: int) -> None:
         self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
@@ -153,6 +172,10 @@ class _Run:
     @property
     def device(self) -> torch.device:
         return self._tokens.device
+
+    def prompt(self, row: int, m: int) -> torch.Tensor:
+        """(1, m) the first m tokens of row `row`, on the device: a joining request's prompt, live or not."""
+        return self._tokens[row:row + 1, :m]
 
     def last_tokens(self) -> torch.Tensor:
         """(B,) each row's last committed token."""
@@ -178,10 +201,16 @@ class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
     def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None,
-                 loaders: dict[str, Callable] | None = None):
+                 loaders: dict[str, Callable] | None = None, prefill_chunk: int = PREFILL_CHUNK):
         """`draft`, `medusa`, `eagle`: the drafters' engines (None: the set has none), or in `loaders` functions
         that load them, called when a request first needs one: a process that decodes with one method holds
-        only its engines (the int4 set's drafters take 350 MB resident, more than its target)."""
+        only its engines (the int4 set's drafters take 350 MB resident, more than its target).
+        `prefill_chunk`: prompt tokens per prefill pass. A prompt runs through the target (and the drafter) in
+        passes of at most this many tokens over the cache, so that a pass's activations, its attention scores
+        (chunk × context) and its mask (chunk × chunk) are bounded by the chunk, not by the prompt."""
+        if prefill_chunk < 1:
+            raise InputError(f"prefill chunk {prefill_chunk}: must be at least 1 token (default {PREFILL_CHUNK})")
+        self.prefill_chunk = prefill_chunk
         self.directory, self.manifest = directory, manifest
         self.target, self.tokenizer = target, tokenizer
         self._drafters = {role: e for role, e in (("draft", draft), ("medusa", medusa), ("eagle", eagle))
@@ -213,7 +242,7 @@ class Generator:
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                     warm: bool = True) -> "Generator":
+                     warm: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> "Generator":
         """`warm`: start from the engine set's tuning for this machine, if any (see start_warm)."""
         directory = Path(path)
         manifest = read_manifest(directory)
@@ -221,7 +250,7 @@ class Generator:
         if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"]:
             raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
                                 f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
-        device = pick_device(device)
+        device = engine_set_device(manifest, directory, device)
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads
@@ -242,7 +271,7 @@ class Generator:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         target = engines.pop("target")()
-        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines)
+        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk)
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
@@ -589,7 +618,11 @@ class Generator:
                 n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
         run.after_pass(out, path, n)
-        return torch.cat([n[:, None], nxt[:, None], width[:, None], tokens], 1).tolist()   # the read
+        read = torch.cat([n[:, None], nxt[:, None], width[:, None], tokens, *([] if path is None else [path])],
+                         1).tolist()   # the read: the commit rows, then a tree's accepted node ids (the drafters')
+        cut = 3 + tokens.shape[1]
+        run.host_pass = (None if path is None else [r[cut:] for r in read], [r[0] for r in read])
+        return [r[:cut] for r in read]
 
     def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
@@ -681,12 +714,14 @@ class Generator:
 
 class Batch:
     """Sequences decoded together, round by round, over one set of engines (continuous batching): `add` a
-    request's prompt between rounds (it is prefilled on its own and joins the next round), `step` runs one round
-    over the live rows, `retire` takes the finished ones out and frees their rows. The rows share the method and
-    the sampling options; each has its own prompt, length, acceptance and stop. Speculation follows the batch
-    size: with several rows live, a round speculates only where the measured pass times at that size say a
-    verify pass still pays for the tokens it adds (on a CPU it stops being nearly free within a few rows), and
-    the stats count rounds by batch size. generate() and `specrt serve` are built on it."""
+    request's prompt between rounds (it is prefilled on its own and joins the next round), or `join` it and run its
+    prefill passes one `prefill` call at a time between the rounds (chunked prefill: a long prompt does not stall
+    the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
+    rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
+    stop. Speculation follows the batch size: with several rows live, a round speculates only where the measured
+    pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
+    free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
+    on it."""
 
     def __init__(self, gen: Generator, capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -724,15 +759,42 @@ class Batch:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
                         gen._pool(capacity, cache_len))
+        self.joining: collections.deque[_Joining] = collections.deque()   # oldest first, in rows after the live
         gen.engine_time = 0.0
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
-        """A request joins: its prompt is prefilled on its own in the next free row (copied to `copies` rows, the
-        request's sequences), each row samples its first token. `owner`: the caller's handle for the rows, or a
-        sequence of one per row."""
-        run, gen = self.run, self.gen
-        m, dev = len(ids), run.device
+        """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
+        self.join(ids, max_new_tokens, owner, copies)
+        while self.joining:
+            self.prefill()
+
+    def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+        """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
+        (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
+        copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
+        the caller's handle for the rows, or a sequence of one per row. Bad requests are refused here."""
+        self.joining.append(self._reserve(ids, max_new_tokens, owner, copies))
+
+    @property
+    def taken(self) -> int:
+        """Rows that are live or held by joining requests."""
+        return self.run.batch + sum(j.copies for j in self.joining)
+
+    def prefill(self) -> StepOutput | None:
+        """The next prefill pass of the oldest joining request (none: nothing is done); after its last pass its
+        rows go live. Returns that pass (its buffers valid until the next pass) once they have, else None."""
+        if not self.joining:
+            return None
+        out = self._prefill(self.joining[0])
+        if out is not None:
+            self.joining.popleft()
+        return out
+
+    def _reserve(self, ids: list[int], max_new_tokens: int, owner, copies: int) -> _Joining:
+        """Check a request and take rows for it after the live and joining ones, its prompt in their tokens."""
+        run = self.run
+        m = len(ids)
         if m >= run.max_len:
             raise InputError(f"prompt of {m} tokens does not fit the engine's maximum sequence length {run.max_len} "
                              "(it needs room for one new token): shorten the prompt or re-export with a larger "
@@ -740,41 +802,96 @@ class Batch:
         if m >= run.cache_len or max_new_tokens < 1:
             raise InputError(f"prompt of {m} tokens and max_new_tokens {max_new_tokens}: the batch holds "
                              f"{run.cache_len} positions per row, and at least one new token is needed")
-        if run.batch + copies > run.capacity:
-            raise InputError(f"{copies} more sequences do not fit the batch: {run.batch} of {run.capacity} rows "
+        if self.taken + copies > run.capacity:
+            raise InputError(f"{copies} more sequences do not fit the batch: {self.taken} of {run.capacity} rows "
                              "are taken")
         owners = list(owner) if isinstance(owner, (list, tuple, range)) else [owner] * copies
-        r = run.batch
-        run.rows += [_Row(o, m, max_new_tokens) for o in owners]
+        if self._end() + copies > run.capacity:   # rows freed below the joining ones: close the gaps
+            self._place()
+        joining = _Joining(list(ids), max_new_tokens, owners, self._end(), None)
+        self._tokens_to(joining, joining.row)
+        joining.cache.truncate(0)
+        return joining
+
+    def _end(self) -> int:
+        """The first row after the live and joining ones."""
+        last = self.joining[-1] if self.joining else None
+        return last.row + last.copies if last else self.run.batch
+
+    def _place(self) -> None:
+        """Each joining request in the first rows after the live ones and the requests before it (rows freed since
+        it came): its row so far (prompt tokens, target and drafter caches) moves there."""
+        r = self.run.batch
+        for j in self.joining:
+            if j.row != r:
+                src = j.row
+                self._tokens_to(j, r)
+                if j.done:
+                    self.run.pool.copy_row(src, r, j.done)
+                    if self.drafter is not None:
+                        self.drafter.move(src, r, j.done)
+            r += j.copies
+
+    def _tokens_to(self, j: _Joining, row: int) -> None:
+        """Request j's rows start at `row` from now: its prompt in their tokens, its prefill in `row`'s cache."""
+        run, m = self.run, len(j.ids)
+        run._host_tokens[row:row + j.copies, :m] = j.ids
+        if run.device.type != "cpu":
+            run._tokens[row:row + j.copies].copy_(torch.from_numpy(run._host_tokens[row:row + j.copies]))
+        j.row, j.cache = row, run.pool.row(row)
+
+    def _prefill(self, j: _Joining) -> StepOutput | None:
+        """The next chunk of a joining request's prompt through the target (its last position's logits only) and
+        the drafter, into its row; after the last chunk its rows join. Returns the last chunk's pass once they
+        have (its buffers valid until the next pass), None before."""
+        run, gen = self.run, self.gen
+        m, start, dev = len(j.ids), j.done, run.device
+        S = min(gen.prefill_chunk, m - start)
+        if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
+            run.hidden = run.hidden.clone()
+        prompt = run.prompt(j.row, m)                                                   # (1, m)
+        out = gen._timed(gen.target, j.cache, prompt[:, start:start + S], (start + _arange(S, dev))[None],
+                         chain_mask(1, S, dev), 1)
+        j.cache.write(out.new_kv)
+        j.cache.past_len += S
+        j.done += S
+        if self.drafter is not None:
+            self.drafter.prefill(run, j.row, prompt, start, out.hidden)
+        if j.done < m:
+            return None
+        self._join(j, out)
+        return out
+
+    def _join(self, j: _Joining, out) -> None:
+        """A request's prompt is in its row (`out`: the target's pass over its last chunk): the rows go live, each
+        samples its first token."""
+        run, gen = self.run, self.gen
+        r, m, copies = run.batch, len(j.ids), j.copies
+        if j.row != r:   # rows retired while it was prefilled
+            self._place()
+        run.rows += [_Row(o, m, j.max_new) for o in j.owners]
         run.resize(r + copies)
-        run.host_tokens[r:, :m] = ids
         run.host_lengths[r:], run.active[r:] = m, True
-        if dev.type != "cpu":
-            run.tokens[r:].copy_(torch.from_numpy(run.host_tokens[r:]))
+        if run.device.type != "cpu":
             run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
-        kept = run.hidden[:r].clone() if r else None   # the live rows' (the prefill reuses the engine's buffers)
-        one = run.pool.row(r)
-        one.truncate(0)
-        out = gen._timed(gen.target, one, run.tokens[r:r + 1, :m], _arange(m, dev)[None], chain_mask(1, m, dev), 1)
-        one.write(out.new_kv)
-        one.past_len += m
         for c in range(1, copies):
             run.pool.copy_row(r, r + c, m)
         logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         hidden = out.hidden[:, -1].expand(copies, -1)
-        run.hidden = torch.cat([kept, hidden]) if r else hidden.clone()                # (B, d)
-        run.prompt_hidden = out.hidden                                                  # (1, m, d)
+        run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
         if self.drafter is not None:
             self.drafter.join(run, r, copies)
-        zero = torch.zeros(copies, 1, dtype=torch.int64, device=dev)
+        zero = torch.zeros(copies, 1, dtype=torch.int64, device=run.device)
         gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
 
     def cancel(self, which: Callable[[object], bool]) -> None:
-        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them."""
+        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them. Joining
+        requests whose owners it all picks leave the queue (their rows are free again)."""
         for b, row in enumerate(self.run.rows):
             if which(row.owner) and self.run.active[b]:
                 self.run.active[b], row.stop_reason = False, "cancelled"
+        self.joining = collections.deque(j for j in self.joining if not all(map(which, j.owners)))
 
     def retire(self) -> list[tuple[_Row, list[int]]]:
         """The finished rows and their new tokens, taken out of the batch: the last live rows move into the freed

@@ -4,6 +4,8 @@ Requests are decoded together (continuous batching): one scheduler thread owns t
 (generate.Batch) round after round; a request that arrives joins the running batch at the next round boundary
 when a row is free and its options match the batch's (method and sampling; a greedy request matches any greedy
 batch of its method), and leaves it when it finishes, when its client has gone or when a stop string came. A
+joining request's prompt is prefilled in chunks (--prefill-chunk tokens), one chunk between two rounds of the
+running batch, so that a long prompt does not stall the streams already running (chunked prefill). A
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
 thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
 (a stream: an error chunk, then [DONE]) and the next batch starts afresh. On SIGTERM (or Ctrl-C) the running
@@ -36,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
+from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
 
 log = logging.getLogger("specrt.serving.server")
 
@@ -169,6 +171,8 @@ class Job:
     put: Callable
     gone: threading.Event = field(default_factory=threading.Event)   # the request has ended: free its rows
     texts: list = field(default_factory=list)
+    arrived: float = 0.0               # when the scheduler got it (time.perf_counter())
+    latency: list = field(default_factory=list)   # a Latency per sequence
 
     @property
     def key(self):
@@ -181,9 +185,34 @@ class Job:
         return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
 
 
+@dataclass
+class Latency:
+    """When a sequence's tokens were handed out: time to the first, and the gaps between hand-outs."""
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    max_gap: float = 0.0
+
+    def handed(self, now: float, n: int) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            self.max_gap = max(self.max_gap, now - self.last)
+        self.last, self.tokens = now, self.tokens + n
+
+    def stats(self, arrived: float) -> dict:
+        """ttft_s (from its arrival at the scheduler); the inter-token latency after the first token: its mean
+        per token and the largest gap between two hand-outs."""
+        more = self.tokens > 1 and self.last > self.first
+        return {"ttft_s": None if self.first is None else self.first - arrived,
+                "itl_mean_s": (self.last - self.first) / (self.tokens - 1) if more else None,
+                "itl_max_s": self.max_gap if more else None}
+
+
 class Scheduler:
     """The one thread that touches the engines: admits waiting jobs into the running batch at round boundaries,
-    runs rounds, hands each job its new tokens and retires finished rows."""
+    runs one prefill chunk of the oldest joining job and one round of the live rows in turn, hands each job its
+    new tokens and retires finished rows."""
 
     def __init__(self, gen: Generator, capacity: int, measure: bool = False):
         self.gen, self.capacity, self.measure = gen, capacity, measure
@@ -203,6 +232,7 @@ class Scheduler:
             if self.stopped:
                 job.put(_shutting_down())
                 return
+            job.arrived = time.perf_counter()
             self.waiting.append(job)
             self.ready.notify()
 
@@ -222,6 +252,11 @@ class Scheduler:
     def live(self) -> int:
         return self.batch.run.batch if self.batch is not None else 0
 
+    @property
+    def taken(self) -> int:
+        """The batch's rows that are live or held by joining jobs."""
+        return self.batch.taken if self.batch is not None else 0
+
     def _loop(self) -> None:
         torch.set_num_threads(1)   # the loop's own tensors are small (the engines keep their thread pools)
         if self.measure:   # before the first request, not in the middle of its rounds
@@ -231,17 +266,17 @@ class Scheduler:
                 self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
             with self.ready:
-                while self.deadline is None and not self.waiting and not self.live:
+                while self.deadline is None and not self.waiting and not self.taken:
                     self.ready.wait()
                 if self.deadline is not None and (time.monotonic() >= self.deadline or
-                                                  not self.waiting and not self.live):
+                                                  not self.waiting and not self.taken):
                     self._end_all()
                     return
                 admit = self._admissible()
             try:
                 for job in admit:
                     self._admit(job)
-                if admit:   # the prefills' first tokens now, not a round later
+                if self.batch is not None and self.batch.prefill() is not None:   # its first tokens now
                     self._dispatch()
                 if self.live:
                     self.batch.step()
@@ -253,9 +288,9 @@ class Scheduler:
     def _admissible(self) -> list[Job]:
         """Waiting jobs that join now: from the oldest, while they match the batch and fit. Once a batch has
         drained (or failed), the oldest waiting job's options decide the next (the same batch when they match)."""
-        if not self.live and self.waiting and self.waiting[0].key != self.key:
+        if not self.taken and self.waiting and self.waiting[0].key != self.key:
             self.batch, self.key = None, None
-        admit, free = [], self.capacity - self.live
+        admit, free = [], self.capacity - self.taken
         while self.waiting and self.waiting[0].copies <= free and self.key in (None, self.waiting[0].key):
             job = self.waiting.popleft()
             if job.gone.is_set():
@@ -265,28 +300,27 @@ class Scheduler:
         return admit
 
     def _admit(self, job: Job) -> None:
-        o, rows = job.options, self.live
+        """The job queues to join the batch (a new one if none runs); its prefill passes come between rounds. A
+        request the batch refuses is answered with the error (an InputError is a 400) and leaves nothing behind."""
+        o = job.options
         try:
             if self.batch is None:
                 self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
                                             top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
                                             tree=o["tree"], adaptive=o["adaptive"])
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
-            self.batch.add(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
-                           copies=job.copies)
-        except Exception as e:   # noqa: BLE001 -- answered to the request (an InputError is a 400)
-            if self.batch is None or self.live == rows:
-                job.put(e)
-            else:   # its rows were left half made: the batch cannot go on
-                log.exception("a request failed as it joined the batch; the batch's requests are answered with "
-                              "the error")
-                self._fail(e)
+            job.latency = [Latency() for _ in range(job.copies)]
+            self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
+                            copies=job.copies)
+        except Exception as e:   # noqa: BLE001 -- answered to the request
+            job.put(e)
 
     def _fail(self, e: Exception) -> None:
         """A round failed: every request of the batch is answered with the error, its rows are let go; the next
         batch is made afresh (for the waiting requests, or for the rest of this round's admissions)."""
         if self.batch is not None:
-            for job in {row.owner[0] for row in self.batch.run.rows}:
+            joining = [o for j in self.batch.joining for o in j.owners]
+            for job in {owner[0] for owner in [row.owner for row in self.batch.run.rows] + joining}:
                 job.put(e)
         self.batch = None
 
@@ -303,11 +337,12 @@ class Scheduler:
         batch = self.batch
         if batch is None:
             return
-        run = batch.run
+        run, now = batch.run, time.perf_counter()
         for b, row in enumerate(run.rows):
             job, index = row.owner
             ids = run.new_tokens(b)
             if ids:
+                job.latency[index].handed(now, len(ids))
                 job.put(("tokens", index, ids, job.texts[index].feed(ids)))
         batch.cancel(lambda owner: owner[0].gone.is_set())
         for row, tokens in batch.retire():
@@ -315,7 +350,8 @@ class Scheduler:
             if row.stop_reason == "cancelled":
                 log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
                          "string)", len(tokens))
-            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds()}
+            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
+                     **job.latency[index].stats(job.arrived)}
             job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
@@ -628,9 +664,9 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
-          max_batch: int = 8) -> None:
+          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
-    gen = Generator.from_engines(engines, device=device, threads=threads)
+    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
