@@ -377,7 +377,7 @@ def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threa
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--max-new-tokens", default=96, show_default=True)
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 20),
               help="Runs of each, alternating.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")

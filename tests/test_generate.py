@@ -147,8 +147,9 @@ def test_cli_stream(tiny_engines):
 
 
 def test_drafters_load_when_a_request_needs_them(default_engines):
-    """A process holds the engines of the methods it ran: the set's drafters load at their first request."""
-    gen = Generator.from_engines(default_engines)
+    """A process holds the engines of the methods it ran: the set's drafters load at their first request (not
+    warm: a tuning's recorded draft step spares the draft model's load below)."""
+    gen = Generator.from_engines(default_engines, warm=False)
     loaded = lambda: set(gen._drafters)   # noqa: E731
     assert all(gen.has(role) for role in ("draft", "medusa", "eagle")) and loaded() == set()
     ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="autoregressive").token_ids

@@ -386,9 +386,10 @@ class Figures:
     """What an EAGLE drafter's rounds measure, as decayed sums: `calibration` (drafts accepted per row, and what
     the scores predicted: their ratio scales the scores), `promise` (the drafter's rounds' expected drafts, scaled,
     and their count) and prompt lookup's `lookup` (per match length: chain nodes accepted, offered). A request
-    starts from the last one's (`following`, see Generator), a new process from the engine set's tuning: from
-    nothing, the first rounds of an answer sized its trees alone, and a few rejected drafts shrank them to a node
-    or two for the rest of it."""
+    starts from the last one's (`following`, see Generator), a new process from the engine set's tuning. From
+    nothing, an answer's first few rounds set the scale alone: a few rejected drafts shrank the trees to a node or
+    two for the rest of it (in fresh processes on 16 MT-Bench prompts, 1.56 tokens a round against 1.95 from the
+    tuning's figures)."""
     calibration: list[float] = field(default_factory=lambda: [1.0, 1.0])
     promise: list[float] = field(default_factory=lambda: [0.0, 0.0])
     lookup: dict[int, list[float]] = field(

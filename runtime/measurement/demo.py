@@ -46,7 +46,7 @@ class Run:
     tokens_per_round: float | None
 
 
-def demo(engines: str, max_new_tokens: int = 128, repeats: int = 2, device: str = "auto",
+def demo(engines: str, max_new_tokens: int = 96, repeats: int = 2, device: str = "auto",
          threads: int | None = None, echo=print) -> bool:
     """Prints the task, each run, the text and the measured speeds; returns whether the texts were identical."""
     gen = Generator.from_engines(engines, device=device, threads=threads)
