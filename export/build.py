@@ -87,15 +87,20 @@ def exact_gathers_file(graph: Path, out: Path) -> int:
     return gathers
 
 
+TENSORRT_WEIGHTS = "float16"   # TensorRT engines are built with its FP16 flag (inputs, outputs, caches float32)
+
+
 def build_tensorrt(graph: Path, engine: Path, max_len: int) -> None:  # pragma: no cover - needs TensorRT
     """Parse the graph with the TreeAttention plugin registered (not verified: no TensorRT here)."""
     from specrt.plugins.tensorrt_plugin import build_engine
-    build_engine(graph, engine, max_len)
+    build_engine(graph, engine, max_len, fp16=TENSORRT_WEIGHTS == "float16")
 
 
 def resolve_backend(requested: str) -> str:
+    """"auto" is ONNX Runtime, wherever TensorRT imports too: the TensorRT backend is not verified (no TensorRT
+    on the machines specrt is tested on), so it is built only when asked for by name."""
     if requested == "auto":
-        return "tensorrt" if tensorrt_available() else "onnxruntime"
+        return "onnxruntime"
     if requested == "tensorrt" and not tensorrt_available():
         raise BackendError("--backend tensorrt: TensorRT is not installed here (pip install 'specrt[gpu]' on an "
                            "NVIDIA machine); use --backend onnxruntime")
@@ -154,9 +159,10 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
         backend = "onnxruntime"
         build_cuda(directory, manifest, dtype, widths, log)
     else:
+        if backend == "auto" and tensorrt_available():
+            log("TensorRT is installed but its backend is not verified: building ONNX Runtime engines "
+                "(--backend tensorrt builds TensorRT ones)")
         backend = resolve_backend(backend)
-        if backend == "onnxruntime" and not tensorrt_available():
-            log("TensorRT not installed: building ONNX Runtime engines")
         if target_weights != "float32":
             backend = "onnxruntime"
         for role, spec in manifest["models"].items():
@@ -198,6 +204,7 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
         built = work / engine.name
         if backend == "tensorrt" and role != "medusa":
             build_tensorrt(graph, built, spec["max_seq_len"])
+            weights = TENSORRT_WEIGHTS
         else:
             source = float32_file(graph, work / "float32.onnx")   # the graph itself if exported in float32
             if role == "target" and target_weights != "float32":

@@ -26,6 +26,7 @@ from specrt.plugins.tree_attention import attach_function
 
 KEPT_FLOAT32 = ["logits", "hidden", "features"]   # an EAGLE drafter reads the target's float32 features
 FLOAT32_OPS = ["Pow", "ReduceMean"]   # RMSNorm's mean of squares: x² of a residual stream overflows float16
+NORM_TAIL = ("Add", "Sqrt", "Reciprocal", "Div", "Mul")   # after the mean: + eps, the root, x over it
 MIN_EXTERNAL = 1024   # bytes: smaller tensors stay inside each graph
 WIDTH_ROLES = ("target", "draft", "eagle")   # the models with a cache: static width graphs on CUDA
 
@@ -137,24 +138,69 @@ def _optimize_basic(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
 
 
 def to_dtype(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
-    """float16: ONNX Runtime's converter (Cast nodes where an op must stay float32, RMSNorm's mean of squares
-    among them); `logits` and `hidden` stay float32 outputs. bfloat16: the same graph with every float16 tensor re-typed as bfloat16."""
+    """float16: ONNX Runtime's converter (Cast nodes where an op must stay float32: RMSNorm's statistics, from
+    the squares to the normalised values, computed in float32 as transformers does); `logits` and `hidden` stay
+    float32 outputs. bfloat16: the same graph with every float16 tensor re-typed as bfloat16."""
     if dtype == "float32":
         return model
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     from specrt.export.onnx_files import infer_shapes
     originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
                  if t.data_type == TensorProto.FLOAT} if dtype == "bfloat16" else {}
-    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
+    ops, names = [*DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS], _norm_tails(model)
     shapes = infer_shapes(model).graph.value_info   # on the structure: the converter's own serializes the weights
     del model.graph.value_info[:]
     model.graph.value_info.extend(shapes)
-    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32, disable_shape_infer=True,
-                                     op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS])
+    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32, disable_shape_infer=True, op_block_list=ops,
+                                     node_block_list=names)
+    _no_round_trips(model, set(ops), set(names))
     if dtype == "bfloat16":
         _float16_to_bfloat16(model, originals)
     return model
+
+
+def _norm_tails(model: onnx.ModelProto) -> list[str]:
+    """The nodes of each RMSNorm between its mean of squares and the normalised values (x / sqrt(mean + eps)):
+    a mean over 65,504 (an RMS over 256) is infinite in float16. Unnamed ones are named here."""
+    users: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    tails = []
+    for i, node in enumerate(list(model.graph.node)):
+        if node.op_type != "ReduceMean":
+            continue
+        while len(users.get(node.output[0], [])) == 1 and users[node.output[0]][0].op_type in NORM_TAIL:
+            node = users[node.output[0]][0]
+            node.name = node.name or f"rms_norm_{i}_{len(tails)}"
+            tails.append(node.name)
+            if node.op_type in ("Div", "Mul"):   # the normalised values (times the weight: float16)
+                break
+    return tails
+
+
+def _no_round_trips(model: onnx.ModelProto, ops: set, names: set) -> None:
+    """The converter casts each float32 node's output to float16 and back for the next float32 node: the next
+    one reads the float32 value itself (x² of a residual stream stays finite on its way to the mean)."""
+    g = model.graph
+    made = {o: n for n in g.node for o in n.output}
+    to = lambda n: next((a.i for a in n.attribute if a.name == "to"), None)  # noqa: E731
+    kept = {o.name for o in g.output}
+    direct = {}
+    for node in g.node:
+        first = made.get(node.input[0]) if node.op_type == "Cast" and to(node) == TensorProto.FLOAT else None
+        source = made.get(first.input[0]) if first is not None and first.op_type == "Cast" and \
+            to(first) == TensorProto.FLOAT16 else None
+        if source is not None and (source.op_type in ops or source.name in names) and node.output[0] not in kept:
+            direct[node.output[0]] = first.input[0]
+    for node in [n for n in g.node if n.output[0] in direct]:
+        g.node.remove(node)   # the casts back
+    for node in g.node:
+        node.input[:] = [direct.get(name, name) for name in node.input]
+    read = {name for n in g.node for name in n.input} | kept
+    for node in [n for n in g.node if n.op_type == "Cast" and n.output[0] not in read]:
+        g.node.remove(node)   # the casts to float16 that nothing reads any more
 
 
 def _float16_to_bfloat16(model: onnx.ModelProto, originals: dict) -> None:

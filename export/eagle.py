@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specrt.errors import InputError
-from specrt.export.model import Block, SpecModel, full_vocab, rotate_half
+from specrt.export.model import Block, SpecModel, full_vocab, plain_layers, rope
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
@@ -40,7 +40,7 @@ class EagleModel(nn.Module):
 
     def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1):
         super().__init__()
-        a = self.args = replace(target.args, num_layers=num_layers)
+        a = self.args = replace(plain_layers(target.args), num_layers=num_layers)
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
         self.layers = nn.ModuleList(Block(a) for _ in range(num_layers))
         self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
@@ -98,7 +98,7 @@ class EagleModel(nn.Module):
             q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
             k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
             v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

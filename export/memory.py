@@ -60,7 +60,9 @@ def parameters(source: str) -> int | None:
         return None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from specrt.export.architectures import architecture_of
     config = AutoConfig.from_pretrained(path)
+    architecture_of(config, repr(source))   # what the graph does not implement is refused by name before any sizing
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())

@@ -13,20 +13,37 @@ from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
-from specrt.engines.manifest import FORMAT_VERSION, file_entry, sha256_file, write_manifest
+from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def _max_len(model, requested: int, log=print) -> int:
-    """The graph's max_seq_len: the request, capped at the positions the model was trained for and at its
-    sliding window (the graph attends to the whole prefix)."""
-    for name in ("max_position_embeddings", "sliding_window"):
-        limit = getattr(model.config, name, None)
+    """The graph's max_seq_len: the request, capped at the positions the model was trained for, and for a
+    longrope model (Phi-3) at its original context: past it transformers switches every position to the long
+    factors once the sequence grows there, which no static rope table (nor cache) can follow."""
+    limits = [("max_position_embeddings", getattr(model.config, "max_position_embeddings", None))]
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(model.config, "original_max_position_embeddings", None)
+        limits.append(("longrope original_max_position_embeddings", original))
+    for name, limit in limits:
         if limit and limit < requested:
             log(f"--max-seq-len {requested} is more than the model's {name} ({limit}): using {limit}")
             requested = int(limit)
     return requested
+
+
+def _check_replaceable(out: Path) -> None:
+    """--force replaces an engine set (a directory with a manifest.json) or an empty directory, nothing else: a
+    mistyped --out must not delete someone's folder."""
+    if out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file()):
+        return
+    if out.exists() or out.is_symlink():
+        what = "a directory without manifest.json (not an engine set)" if out.is_dir() else "not a directory"
+        raise InputError(f"--out {out} is {what}: --force replaces only an engine set. Choose another --out, or "
+                         f"move {out} away yourself")
 
 
 def _check_memory(target: str, draft: str | None, dtype: str, limit: float | None) -> None:
@@ -60,6 +77,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it (it is replaced only once the new "
                          "export is complete)")
+    _check_replaceable(out)
     _check_memory(target, draft, dtype, memory_limit)
     import torch
     import onnx

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specrt.errors import UnknownSourceError
-from specrt.export.architectures import REGISTRY
+from specrt.export.architectures import architecture_of
 from specrt.engines.manifest import sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -76,9 +76,7 @@ def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
             f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
             "(one that holds config.json and weights)")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in REGISTRY:
-        raise UnknownSourceError(
-            f"{name!r} is a {config.model_type!r} model; supported architectures: {', '.join(sorted(REGISTRY))}")
+    architecture_of(config, repr(name))   # refuses, by name, what the graph does not implement
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):

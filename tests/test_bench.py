@@ -66,6 +66,13 @@ def test_bench_results_are_consistent(engines, tmp_path):
               ("specrt", "autoregressive", s["temperature"])}
         ratios = [x["tokens_per_s"] / ar[x["prompt"]] for x in runs]   # each prompt against its own baseline
         assert s["speedup_range"] == pytest.approx([min(ratios), max(ratios)])
+        if s["system"] == "specrt":      # prefill and decode: each run's time split at its first token
+            assert 0 < s["prefill_s"] == pytest.approx(np.mean([x["prefill_s"] for x in runs]))
+            assert s["decode_tokens_per_s"] == pytest.approx(
+                sum(x["tokens"] - 1 for x in runs) / sum(x["time_s"] - x["prefill_s"] for x in runs))
+            assert s["prompt_tokens"] == 6.5
+        else:
+            assert s["prefill_s"] is None and s["decode_tokens_per_s"] is None
         if s["system"] == "specrt":      # the loop's own time per round, below each run's wall time per round
             assert 0 < s["host_ms_per_round"] == pytest.approx(
                 1e3 * sum(x["loop_time_s"] for x in runs) / sum(x["rounds"] for x in runs))
@@ -88,6 +95,7 @@ def test_bench_results_are_consistent(engines, tmp_path):
     assert r["info"]["threads"] >= 1 and r["info"]["versions"]["onnxruntime"]
     report = (out / "report.md").read_text()
     assert "| specrt | ngram | 0 |" in report and "Memory-bandwidth floor" in report
+    assert "## Prefill and decode" in report and "| specrt | draft | 0.7 | 6 |" in report
     assert "hf-prompt-lookup" in result.output   # the table printed at the end
 
 
@@ -204,3 +212,18 @@ def test_bench_compares_an_int4_engine_set(engines, tmp_path):
     if rss.available():
         assert {(m["system"], m["method"]) for m in r["memory"]} == set(rows)
     assert "`specrt int4`: engines" in (out / "report.md").read_text()
+
+
+def test_long_prompts_are_long_and_need_engines_that_hold_them(default_engines, tmp_path):
+    """The packaged long-prompt set: 4 documents of 2.5k-7k tokens; engines too short for them are refused before
+    any run, with the fix."""
+    from specrt.decoding.generate import Generator
+    prompts = load_prompts(None, 10, "long_prompts.jsonl")
+    gen = Generator.from_engines(default_engines)
+    lengths = [len(gen.encode(p.text)) for p in prompts]
+    assert len(prompts) == 4 and all(2500 <= n <= 7000 for n in lengths), lengths
+    result = CliRunner().invoke(bench, [str(default_engines), "--long-prompts", "--no-peers", "--no-memory",
+                                        "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "--max-seq-len" in result.output and "(e.g. 8192)" in result.output
+    assert CliRunner().invoke(bench, [str(default_engines), "--long-prompts", "--prompts", str(
+        write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [1]}]))]).exit_code == 2

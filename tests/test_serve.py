@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +16,7 @@ import pytest
 from conftest import export_tiny_with_heads, load_prompts
 from greedy_check import assert_same_or_tie
 from specrt.decoding.generate import Generator
-from specrt.serving.server import StopText
+from specrt.serving.server import SHUTDOWN_GRACE_S, StopText
 from specrt.measurement.serve_bench import server
 
 VOCAB, MAX_LEN = 128, 256
@@ -25,14 +27,29 @@ def running_server(engines, log_path, *args):
     return server(engines, log_path, *args, wait_s=120)
 
 
-def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def sse(url: str, body: dict, timeout: float = 60):
+    """A streamed answer's events as they come: each chunk (or error) parsed, the last one "[DONE]"."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                data = line[len(b"data: "):].strip()
+                yield "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+
+def chunk_ids(events: list) -> list[int]:
+    return [i for e in events if isinstance(e, dict) for c in e.get("choices", []) for i in c["token_ids"]]
 
 
 def client(url: str) -> openai.OpenAI:
@@ -67,9 +84,11 @@ def test_models_and_completion(tiny):
     api = client(url)
     assert [m.id for m in api.models.list().data] == ["tiny"]
     out = api.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0)
-    want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12)
+    want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, method="autoregressive")
     assert out.choices[0].token_ids == want.token_ids[0]
     assert out.choices[0].finish_reason == "length" and out.choices[0].text == ""
+    # the server's default method is auto: no tuning here, so the rule's (a draft model, no EAGLE drafter)
+    assert (out.specrt["method"], out.specrt["method_from"]) == ("draft", "rule")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 12, 15)
     # n choices, sampled with a seed: the generator's own rows for that seed (a fixed gamma: the adaptive one
     # follows timings, and with it the random draws)
@@ -105,6 +124,7 @@ def test_concurrent_streams_join_one_batch(tiny):
         assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft").token_ids[0], prompt
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
         assert stats["method"] == "draft" and stats["tokens"] == 24
+        assert stats["ttft_s"] > 0 and 0 < stats["itl_mean_s"] <= stats["itl_max_s"]   # the scheduler's timing
     sizes = {int(n) for r in results for n in r[3]["batch_rounds"]}
     assert max(sizes) >= 2, f"the streams were never decoded together: rounds by batch size {sizes}"
 
@@ -194,7 +214,8 @@ def test_bad_input_answered_and_server_keeps_serving(tiny):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client(url).completions.create(model="tiny", prompt=[1], temperature=-1)
     out = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
-    assert out.choices[0].token_ids == gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids[0]
+    assert out.choices[0].token_ids == \
+        gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, method="autoregressive").token_ids[0]
 
 
 def test_closed_stream_stops_its_generation(tiny):
@@ -205,7 +226,8 @@ def test_closed_stream_stops_its_generation(tiny):
     next(iter(stream))
     stream.close()
     out = api.completions.create(model="tiny", prompt=[3, 2, 1], max_tokens=8, temperature=0)
-    assert out.choices[0].token_ids == gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8).token_ids[0]
+    assert out.choices[0].token_ids == \
+        gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8, method="autoregressive").token_ids[0]
     deadline = time.monotonic() + 10
     while not (stopped := re.findall(r"generation stopped after (\d+) tokens", log.read_text())):
         assert time.monotonic() < deadline, log.read_text()[-2000:]
@@ -220,6 +242,122 @@ def test_stop_text():
     assert text.feed("ND more") == ("", True)
     text = StopText(["\n\n"])
     assert text.feed("a\n") == ("a", False) and text.feed("b") == ("\nb", False) and text.flush() == ""
+
+
+# ---- the default engines, a server of their own: bad prompts, a failed round, n, shutdown -----------------------
+
+# A request that fails inside a round for real: a temperature this small overflows float32, the prefill's token is
+# drawn from NaN probabilities (an id out of the vocabulary) and the next round fails on it (an IndexError in the
+# host sampler, not a SpecrtError). That is a defect of sampling, not of the server: once it is refused or fixed,
+# these tests need another real failure.
+FAILING = {"temperature": 1e-39}
+FAILED = r"the server failed on this request: \w+Error"
+PROMPT = "The three largest cities in Europe are"
+
+
+@pytest.fixture(scope="module")
+def fresh(default_engines, tmp_path_factory):
+    """`specrt serve` of the default engines (--max-batch 8) for the tests below; the last of them stops it."""
+    log = tmp_path_factory.mktemp("serve-fresh") / "server.log"
+    with running_server(default_engines, log) as (url, pid):
+        yield url, pid
+
+
+@pytest.mark.slow
+def test_empty_or_oversized_prompt_is_a_400_while_a_stream_runs(fresh, default_generator):
+    url, _ = fresh
+    gen = default_generator
+    stream = sse(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 32, "temperature": 0})
+    events = [next(stream)]   # it runs while the bad requests come
+    limit = gen.max_len * max(map(len, gen.tokenizer.get_vocab()))   # the tokenizer's longest token: 81 characters
+    bad = [("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+           ("/v1/completions", {"prompt": "x" * (limit + 1)}, "prompt", str(limit)),
+           ("/v1/completions", {"prompt": "hello " * 2100}, "prompt", "2101 tokens"),   # within the characters
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * limit}]}, "messages", str(limit))]
+    for path, body, param, said in bad:
+        code, doc = post(url + path, body)
+        assert code == 400 and doc["error"]["param"] == param and said in doc["error"]["message"], (param, doc)
+    events += list(stream)
+    want = gen.generate(prompt_ids=gen.encode(PROMPT, chat=False), max_new_tokens=32).token_ids[0]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length"), events[-2:]
+    assert chunk_ids(events) == want
+
+
+@pytest.mark.slow
+def test_failed_round_leaves_the_server_serving(fresh, default_generator):
+    """A round that fails: its stream ends with an error chunk and [DONE], a request not streamed gets an OpenAI
+    error object; then requests of other options (seeded, sampled, another method) all complete (in the old
+    scheduler they waited for ever)."""
+    url, _ = fresh
+    gen = default_generator
+    events = list(sse(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, **FAILING}))
+    assert events[0]["choices"] and events[-1] == "[DONE]", events   # it had begun: the prefill's token
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and re.match(FAILED, error["message"]), events
+    code, doc = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, **FAILING})
+    assert code == 500 and doc["error"]["type"] == "server_error" and re.match(FAILED, doc["error"]["message"])
+
+    # seeded: the same draws as generate() only by the same method with no timing-driven choices (auto may pick an
+    # adaptive method, whose rounds follow measured times)
+    others = [{"temperature": 0.8, "seed": 3, "specrt": {"method": "autoregressive"}}, {"temperature": 0.8},
+              {"temperature": 0},
+              {"temperature": 0, "specrt": {"method": "ngram"}}]
+    with ThreadPoolExecutor(len(others)) as pool:   # one that waits for ever times out
+        answers = list(pool.map(lambda o: post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **o},
+                                               timeout=60), others))
+    for options, (code, doc) in zip(others, answers):
+        assert code == 200 and doc["usage"]["completion_tokens"] == 8, (options, doc)
+    ids = gen.encode(PROMPT, chat=False)
+    assert answers[0][1]["choices"][0]["token_ids"] == \
+        gen.generate(prompt_ids=ids, max_new_tokens=8, temperature=0.8, seed=3,
+                     method="autoregressive").token_ids[0]
+    assert answers[2][1]["choices"][0]["token_ids"] == gen.generate(prompt_ids=ids, max_new_tokens=8).token_ids[0]
+
+
+@pytest.mark.slow
+def test_n_above_the_batch_is_refused(fresh):
+    """n asks for that many sequences decoded at once: more than --max-batch rows is a 400, not a bigger batch."""
+    url, _ = fresh
+    code, doc = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 9})
+    assert code == 400 and doc["error"]["param"] == "n" and "--max-batch 8" in doc["error"]["message"], doc
+    code, doc = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 8, "temperature": 0.8})
+    assert code == 200 and len(doc["choices"]) == 8
+
+
+def exited(pid: int) -> bool:
+    """Whether process pid has ended (a zombie that its parent has not reaped yet has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server(fresh):
+    """SIGTERM with a long stream running and a request waiting for its batch: both are given SHUTDOWN_GRACE_S,
+    then end with an error (the stream with an error chunk and [DONE]), and the process exits."""
+    url, pid = fresh
+    stream = sse(url + "/v1/completions", {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1500, "temperature": 0})
+    events = [next(stream)]
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(post, url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0.8,
+                                                              "seed": 1})   # a batch of its own: it waits
+        deadline = time.monotonic() + 30
+        while json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["waiting"] < 1:
+            assert time.monotonic() < deadline, "the second request never reached the scheduler"
+            time.sleep(0.1)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        events += list(stream)
+        while not exited(pid) and time.monotonic() - start < SHUTDOWN_GRACE_S + 10:
+            time.sleep(0.1)
+        took = time.monotonic() - start
+        assert exited(pid) and took < SHUTDOWN_GRACE_S + 10, f"the server still ran {took:.0f} s after SIGTERM"
+        code, doc = waiting.result()
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
+    assert len(chunk_ids(events)) < 1500
+    assert code == 503 and doc["error"]["code"] == "server_shutting_down", doc
 
 
 # ---- the default engines (SmolLM2 with its tokenizer): chat, text, stop strings --------------------------------

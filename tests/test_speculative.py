@@ -44,7 +44,7 @@ def test_greedy_draft_equals_target_greedy(pair, self_pair, gamma):
         vocab = model.config.vocab_size
         for seed in range(3):
             prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-            ref = gen.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+            ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
             out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", gamma=gamma)
             assert_same_or_tie(out.token_ids[0], ref, prompt, model)
             assert out.stats["gamma"] == gamma
@@ -72,7 +72,7 @@ def test_draft_catches_up_after_plain_rounds(self_pair, monkeypatch):
     gen, _ = self_pair
     choices = iter([0, 2, 0, 0, 3, 1, 0, 4] * 10)
     monkeypatch.setattr(GammaPolicy, "choose", lambda self: next(choices))
-    ref = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24).token_ids[0]
+    ref = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24, method="draft")
     assert out.token_ids[0] == ref
     assert out.stats["acceptance_rate"] == 1.0
@@ -114,7 +114,7 @@ def test_prompt_lookup_is_not_charged_the_draft_models_step(pair):
 def test_ngram_greedy_equals_target_greedy(pair):
     gen, model = pair
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="ngram", gamma=3)
     assert out.stats["acceptance_rate"] is not None  # proposals happened
     assert_same_or_tie(out.token_ids[0], ref, prompt, model)
@@ -306,6 +306,56 @@ def test_verify_command(pair):
                           "--top-k", "0"], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "p = " in out.stdout and out.stdout.strip().endswith("PASS")
+
+
+def verify(directory, *args):
+    from click.testing import CliRunner
+    from specrt.cli import main
+    return CliRunner().invoke(main, ["verify", str(directory), "--method", "draft", "--prompts", "1",
+                                     "--max-new-tokens", "8", *args])
+
+
+@pytest.mark.parametrize("args, untested", [
+    (["--top-k", "1"], "one outcome"),                  # a certain next token: nothing to compare
+    (["--depth", "1"], "--depth 1"),                    # only the prefill's token
+    (["--prompts", "0", "--samples", "0"], "greedy"),  # no check at all
+])
+def test_verify_without_a_test_says_so(pair, args, untested):
+    """A check that was asked for and could not run is NOT TESTED (exit status 3), with the reason; never PASS."""
+    gen, _ = pair
+    out = verify(gen.directory, "--samples", "600", "--temperature", "1.0", *args)
+    assert out.exit_code == 3, out.output
+    assert "NOT TESTED" in out.output and "PASS" not in out.output
+    assert "could not test" in out.output and untested in out.output
+
+
+EOS = 10   # likely at the second position after the prompt [1, 2, 3, 1, 2] (p = 0.34 after its likeliest token)
+
+
+@pytest.fixture(scope="module")
+def eos_pair(tmp_path_factory):
+    """The pair with an end-of-sequence token that the target often samples."""
+    draft = tiny_model("llama", seed=11, vocab=V, init=0.3)
+    directory, target = export_tiny(tmp_path_factory.mktemp("eos"), "llama", seed=1, draft=draft, vocab=V, init=0.3,
+                                    max_seq_len=24, eos=EOS)
+    return Generator.from_engines(directory), target
+
+
+def test_verify_counts_sequences_that_end_at_eos(eos_pair):
+    """A sequence that ends at EOS counts with EOS as its outcome: the counts at the prefix it ends after keep
+    their law (dropping such sequences removes EOS from the outcomes and fails a lossless method)."""
+    from specrt.measurement.check import END, check_sampling, draw
+    gen, _ = eos_pair
+    prompt, params = [1, 2, 3, 1, 2], SamplingParams(1.0, 0, 1.0, 0)
+    seqs = draw(gen, prompt, "draft", params, 64, 3, gamma=2)
+    assert any(s[0] == EOS and s[1:] == (END, END) for s in seqs)   # ended at once, padded
+    assert all(END not in s[:s.index(EOS) + 1] for s in seqs if EOS in s)
+    tests, untested = check_sampling(gen, prompt, "draft", params, 2000, 3, 3, 1e-3, gamma=2)
+    after = [t for t in tests if t["prefix"] == [18]]   # the likeliest first token; EOS is likely after it
+    assert after and after[0]["position"] == 1 and after[0]["samples"] > 300
+    assert all(t["p_value"] > t["alpha"] for t in tests), tests
+    out = verify(gen.directory, "--samples", "2000", "--temperature", "1.0", "--top-k", "0")
+    assert out.exit_code == 0 and out.output.strip().endswith("PASS"), out.output
 
 
 def test_host_rules_match_the_device_rules():

@@ -1,7 +1,10 @@
 """Drafters propose tokens for the target to verify. A chain is a tree with one child per node.
 
-A drafter has four calls: join(run, row, copies) when rows row .. row+copies−1 of the batch start a request
-(after the target's prefill of its prompt: `run.prompt_hidden`); propose(run, gamma) -> Proposal: tokens (B, γ),
+A drafter has five calls: prefill(run, row, prompt, start, hidden) after each of the target's prefill passes over
+a joining request's prompt (prompt (1, m): its ids on the device; the pass covered positions start .. start+S−1 of
+row `row`, which is not live yet; hidden (1, S, d): the target's features there), so that a drafter with a cache
+prefills it in the same chunks; join(run, row, copies) when rows row .. row+copies−1 of the batch start the
+request (its prompt prefilled in row `row`); propose(run, gamma) -> Proposal: tokens (B, γ),
 draft probabilities Q (B, γ, V) or None when the proposal is deterministic (greedy drafting, n-gram lookup), and
 `valid` (B, γ) for rows that propose fewer than γ; observe(run) after every round, proposed in or not (the
 target's pass has just run: `run.path_hidden`, `run.path_start`); move(src, dst, count) when the batch compacts
@@ -86,23 +89,27 @@ class DraftModelDrafter:
         self.inputs: dict[tuple[int, int], PassInputs] = {}   # the host path's, per shape
         self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
-    pool = None   # the cache's rows for the whole batch, made at the first join
+    pool = None   # the cache's rows for the whole batch, made at the first prefill
 
-    def join(self, run, row: int, copies: int) -> None:
-        """Prefill the prompt minus its last token once, then copy it to the request's other rows."""
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
         if self.pool is None:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self.next_round = run.rounds   # the round whose proposal the cache is ready for
-        m, dev = run.rows[row].prompt_len - 1, run.device
-        one = self.pool.row(row)
-        one.truncate(0)
-        if m > 0:
-            out = self.timer(self.engine, one, run.tokens[row:row + 1, :m], _arange(m, dev)[None],
-                             chain_mask(1, m, dev), 1)
+        one, dev = self.pool.row(row), run.device
+        if start == 0:
+            one.truncate(0)
+        S = min(hidden.shape[1], prompt.shape[1] - 1 - start)
+        if S > 0:
+            out = self.timer(self.engine, one, prompt[:, start:start + S], (start + _arange(S, dev))[None],
+                             chain_mask(1, S, dev), 1)
             one.write(out.new_kv)
-            one.past_len += m
+            one.past_len += S
+
+    def join(self, run, row: int, copies: int) -> None:
+        """The prefilled row to the request's other rows."""
         for c in range(1, copies):
-            self.pool.copy_row(row, row + c, m)
+            self.pool.copy_row(row, row + c, run.rows[row].prompt_len - 1)
 
     def move(self, src: int, dst: int, count: int) -> None:
         self.pool.copy_row(src, dst, count)
@@ -198,6 +205,9 @@ class NgramDrafter:
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        pass
+
     def join(self, run, row: int, copies: int) -> None:
         pass
 
@@ -255,6 +265,9 @@ class MedusaDrafter:
         self.ranks = [max(r for d, r in self.slots if d == level) + 1 for level in range(1, tree.max_depth + 1)]
         self.buffers: dict[int, tuple] = {}   # the host path's, per batch size: roots, their numpy view, valid
         self.logits = self.host_logits = None  # the heads' output buffer and its numpy view
+
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        pass
 
     def join(self, run, row: int, copies: int) -> None:
         pass

@@ -2,7 +2,7 @@
 
 Cache invariant: before a round the drafter's cache holds slots 0 .. n−2 of a row of n tokens, where slot t
 was fed the target's feature at position t and token t + 1. The target's features are kept by position in a
-per-request history: the prompt's from the prefill (`run.prompt_hidden`), then after every round those of the
+per-request history: the prompt's from the target's prefill passes, then after every round those of the
 accepted path (`run.path_hidden` from `run.path_start`, root first), plain steps included, so a round first
 feeds the slots its cache lacks (catch-up: one pass over the accepted count + 1 per row, more after plain
 steps) and reads the distribution of the first tree level from the last of them.
@@ -27,7 +27,7 @@ chance that the target accepts it; the estimates are scaled by how well they hav
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -82,27 +82,28 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None,
-                 lookup: bool = True, chains: bool = False):
+                 lookup: bool = True, chains: bool = False, figures: "Figures | None" = None):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
-        self.lookup = PromptLookup() if lookup else None   # prompt lookup's chains among the candidates
+        # what the rounds measure and the next request starts from (see Figures)
+        self.figures = figures if figures is not None else Figures()
+        self.lookup = PromptLookup(self.figures.lookup) if lookup else None   # prompt lookup's chains
         self.chains = chains   # a chain per round (shape top_k 1): a row's lookup chain replaces the drafter's
         self.tree, self.span = shape.envelope, shape.span
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
         self.kept, self.narrow = output_ids, output_ids is not None
-        self.calibration = [1.0, 1.0]     # decayed sums: drafts accepted per row, and what the scores predicted
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
-        self.promise = [0.0, 0.0]         # decayed sums: the drafter's rounds' expected drafts (scaled), rounds
         self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
         self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
-    pool = None   # the cache's rows for the whole batch, made at the first join
+    pool = None   # the cache's rows for the whole batch, made at the first prefill
+    _past = None  # the host's copy of the pool's past_len (a round's pass shape, without reading the device)
 
-    def join(self, run, row: int, copies: int) -> None:
-        """The request's prompt features into the history, and its prompt but the last slot into the cache (one
-        one-row pass: the first round's catch-up then feeds one slot, as in every later round)."""
-        hidden = run.prompt_hidden                                                  # (1, m, d)
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """A chunk of the request's prompt features (1, S, d) into the history, and its slots into the cache, in
+        the target's chunks: slots start .. start+S−1 but the prompt's last (slot t: feature t, token t+1), so
+        that the first round's catch-up feeds one slot, as in every later round."""
         if self.pool is None:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
@@ -110,21 +111,32 @@ class EagleDrafter:
             # the CPU's host path (see Generator._verify): the round's bookkeeping in numpy over these views
             self._host_history = self._history.numpy() if self.pool.host_data is not None and \
                 hidden.dtype == torch.float32 else None
-        m, dev = hidden.shape[1], run.device
-        self._history[row:row + copies, :m] = hidden
+        if self._past is None:
+            self._past = np.zeros(run.capacity, np.int64)
+        S, dev = hidden.shape[1], run.device
+        self._history[row, start:start + S] = hidden[0]
         one = self.pool.row(row)
-        one.truncate(0)
-        if m > 1:
-            out = self.timer(self.engine, one, run.tokens[row:row + 1, 1:m], _arange(m - 1, dev)[None],
-                             chain_mask(1, m - 1, dev), 1, features=hidden[:, :m - 1])
+        if start == 0:
+            one.truncate(0)
+        n = min(S, prompt.shape[1] - 1 - start)
+        if n > 0:
+            out = self.timer(self.engine, one, prompt[:, start + 1:start + 1 + n], (start + _arange(n, dev))[None],
+                             chain_mask(1, n, dev), 1, features=hidden[:, :n])
             one.write(out.new_kv)
-            one.past_len += m - 1
+            one.past_len += n
+
+    def join(self, run, row: int, copies: int) -> None:
+        """The prefilled row (history and cache) to the request's other rows."""
+        m = run.rows[row].prompt_len
         for c in range(1, copies):
+            self._history[row + c, :m] = self._history[row, :m]
             self.pool.copy_row(row, row + c, m)
+        self._past[row:row + copies] = max(m - 1, 0)
 
     def move(self, src: int, dst: int, count: int) -> None:
         self.pool.copy_row(src, dst, count)
         self._history[dst, :count] = self._history[src, :count]
+        self._past[dst] = self._past[src]
 
     @property
     def history(self) -> torch.Tensor:
@@ -148,14 +160,15 @@ class EagleDrafter:
             slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self.lookup is not None:
-            self.lookup.update(path, n)
+            self.lookup.update(*run.host_pass)
         if self.trace is not None and self._traced is not None:
-            self.trace.append(_traced_round(*self._traced, path, n))
+            self.trace.append(_traced_round(*self._traced, *run.host_pass))
             self._traced = None
         if self._pending is not None:
             before, live, predicted = self._pending
-            accepted, forecast = self.calibration
-            self.calibration = [DECAY * accepted + (run.accepted - before) / live, DECAY * forecast + predicted]
+            accepted, forecast = self.figures.calibration
+            self.figures.calibration = [DECAY * accepted + (run.accepted - before) / live,
+                                        DECAY * forecast + predicted]
             self._pending = None
 
     def propose(self, run, gamma: int) -> Proposal:
@@ -176,18 +189,22 @@ class EagleDrafter:
 
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
-        logits (B, V) and the predicted feature there (B, d)."""
+        logits (B, V) and the predicted feature there (B, d). The pass's shape comes from the host's copies of
+        the lengths (no read of the device)."""
         B, cache, dev = run.batch, self.cache, run.device
-        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) slots to feed
-        S = max(1, int(count.max()))
+        past = self._past[:B].copy()
+        fed = np.maximum(run.host_lengths - 1 - past, 0)                            # (B,) slots to feed
+        S = max(1, int(fed.max()))
+        num = S - (max(int(fed.min()), 1) - 1)                                      # logits from the earliest last slot
+        count = (run.lengths - 1 - cache.past_len).clamp(min=0)                     # (B,) fed, on the device
         slots = (cache.past_len[:, None] + _arange(S, dev)).clamp(max=run.cache_len - 1)   # (B, S)
         x = self.history.gather(1, slots[..., None].expand(-1, -1, self.history.shape[-1]))  # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
-        num = S - int(last.min())
         out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, features=x)
         cache.write(out.new_kv)
         cache.past_len += count
+        self._past[:B] = past + fed
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
@@ -218,6 +235,7 @@ class EagleDrafter:
         out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num, features=feats)
         cache.write(out.host_kv(), past)
         cache.truncate([p + c for p, c in zip(past, count)])
+        self._past[:B] = cache.host_past
         logits, hidden = out.host_logits(), out.host_hidden()
         return (np.stack([logits[b, j - (S - num)] for b, j in enumerate(last)]),
                 np.stack([hidden[b, j] for b, j in enumerate(last)]))
@@ -299,7 +317,8 @@ class EagleDrafter:
         self._pending = (run.accepted, int(live.sum()), float(m[order[:n]].sum()))
         if self.trace is not None:
             self._traced = ("tree", tree.paths, [float(m[chosen[p]]) for p in tree.paths])
-        self.promise = [DECAY * self.promise[0] + self.scale * self._pending[2], DECAY * self.promise[1] + 1]
+        promise = self.figures.promise
+        self.figures.promise = [DECAY * promise[0] + self.scale * self._pending[2], DECAY * promise[1] + 1]
         return tree, cand_tok[:, [chosen[p] for p in tree.paths]]
 
     def _lookup_only(self, run, live: np.ndarray, hits: dict | None) -> tuple[Tree, np.ndarray] | None:
@@ -308,12 +327,13 @@ class EagleDrafter:
         verifies those chains alone (as many nodes as pay, with adaptive rounds), and skips the drafter's passes
         (its cache catches up in a later round, as after plain steps). -> (the chain, its tokens (B, n)), else
         None."""
-        if hits is None or not self.promise[1]:
+        promise = self.figures.promise
+        if hits is None or not promise[1]:
             return None
         if not all(len(hit) for _, hit in hits.values()):
             return None
         probs = {b: self.lookup.rate(n) ** np.arange(1, len(hit) + 1) for b, (n, hit) in hits.items()}
-        if min(p.sum() for p in probs.values()) < self.promise[0] / self.promise[1]:
+        if min(p.sum() for p in probs.values()) < promise[0] / promise[1]:
             return None
         L = max(len(hit) for _, hit in hits.values())
         tokens = np.full((run.batch, L), PromptLookup.FILLER, np.int64)
@@ -332,7 +352,7 @@ class EagleDrafter:
     @property
     def scale(self) -> float:
         """How many drafts were accepted per draft the scores predicted (decayed over the recent rounds)."""
-        return self.calibration[0] / self.calibration[1]
+        return self.figures.calibration[0] / self.figures.calibration[1]
 
     def _deeper(self, costs, scores: np.ndarray, frontier: np.ndarray, passes: int) -> bool:
         """level_pays for this round's candidates (`scores`) and frontier, after `passes` drafter passes."""
@@ -361,6 +381,38 @@ class EagleDrafter:
 DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
 
 
+@dataclass
+class Figures:
+    """What an EAGLE drafter's rounds measure, as decayed sums: `calibration` (drafts accepted per row, and what
+    the scores predicted: their ratio scales the scores), `promise` (the drafter's rounds' expected drafts, scaled,
+    and their count) and prompt lookup's `lookup` (per match length: chain nodes accepted, offered). A request
+    starts from the last one's (`following`, see Generator), a new process from the engine set's tuning. From
+    nothing, an answer's first few rounds set the scale alone: a few rejected drafts shrank the trees to a node or
+    two for the rest of it (in fresh processes on 16 MT-Bench prompts, 1.56 tokens a round against 1.95 from the
+    tuning's figures)."""
+    calibration: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    promise: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    lookup: dict[int, list[float]] = field(
+        default_factory=lambda: {n: [1.0, 2.0] for n in range(PromptLookup.min_n, PromptLookup.max_n + 1)})
+
+    def following(self, memory: float = 8.0) -> "Figures":
+        """The next request's: these figures, each worth at most `memory` rounds (the calibration's weight is the
+        promise's count of rounds; a lookup rate's, its offered nodes)."""
+        rounds = self.promise[1]
+        keep = min(1.0, memory / rounds) if rounds else 1.0
+        lookup = {n: [a * min(1.0, memory / o), min(o, memory)] if o else [a, o] for n, (a, o) in self.lookup.items()}
+        return Figures([v * keep for v in self.calibration], [v * keep for v in self.promise], lookup)
+
+    def to_json(self) -> dict:
+        return {"calibration": self.calibration, "promise": self.promise,
+                "lookup": {str(n): v for n, v in self.lookup.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Figures":
+        return cls(list(data["calibration"]), list(data["promise"]),
+                   {int(n): list(v) for n, v in data["lookup"].items()})
+
+
 class PromptLookup:
     """Prompt lookup inside the tree: per row, the tokens that followed the last earlier occurrence of the text's
     newest n tokens (n from `max_n` down to `min_n`, see NgramDrafter) join the candidates as a chain from the
@@ -373,9 +425,12 @@ class PromptLookup:
     max_n, min_n = 3, 2
     FILLER = 0   # the token of a node another row's chain added (a proposal like any other: verified, lossless)
 
-    def __init__(self):
+    def __init__(self, sums: dict[int, list[float]] | None = None):
         self.finder = NgramDrafter(self.max_n, self.min_n)
-        self.sums = {n: [1.0, 2.0] for n in range(self.min_n, self.max_n + 1)}   # decayed accepted, offered
+        # decayed accepted, offered per n (a Figures' lookup: updated in place)
+        self.sums = sums if sums is not None else {}
+        for n in range(self.min_n, self.max_n + 1):
+            self.sums.setdefault(n, [1.0, 2.0])
         self._round: dict[int, tuple] = {}   # row -> (n, its chain's node ids in the tree)
         self._chains: dict[int, tuple] = {}  # row -> (n, its chain's paths), between add and offered
 
@@ -482,16 +537,17 @@ class PromptLookup:
             if ids:
                 self._round[b] = (n, ids)
 
-    def update(self, path, accepted) -> None:
-        """After the verify pass (`path` (B, D+1) the accepted paths' node ids, root first; `accepted` (B,) their
-        counts): a chain's nodes whose parent was accepted count as offered, the accepted ones as accepted."""
+    def update(self, path: list[list[int]] | None, accepted: list[int]) -> None:
+        """After the verify pass (`path` the accepted paths' node ids per row, root first; `accepted` their counts:
+        host lists, from the round's read): a chain's nodes whose parent was accepted count as offered, the
+        accepted ones as accepted."""
         chains, self._round = self._round, {}
         if not chains or path is None:
             return
         for key in self.sums:
             self.sums[key] = [DECAY * v for v in self.sums[key]]
         for b, (n, ids) in chains.items():
-            taken = [int(x) for x in path[b][1:int(accepted[b]) + 1]]
+            taken = path[b][1:accepted[b] + 1]
             k = 0
             while k < min(len(ids), len(taken)) and ids[k] == taken[k]:
                 k += 1
@@ -535,11 +591,8 @@ def _traced_round(kind: str, paths: tuple, scores: list, path, n) -> tuple:
     depths, and the ranks in that order of the accepted nodes, root's child first)."""
     order = sorted(range(len(paths)), key=lambda i: (-scores[i], len(paths[i])))
     rank = {paths[i]: r for r, i in enumerate(order)}
-    count = int(n[0])
-    if path is None:   # verified as a chain: the pass's own order
-        row = list(range(count + 1))
-    else:
-        row = path[0].tolist() if hasattr(path[0], "tolist") else list(path[0])
+    count = n[0]
+    row = list(range(count + 1)) if path is None else path[0]   # a chain: the pass's own order
     return (kind, [scores[i] for i in order], [len(paths[i]) for i in order],
             [rank[paths[pos - 1]] for pos in row[1:count + 1]])
 

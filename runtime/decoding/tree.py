@@ -37,11 +37,11 @@ class Tree:
 
     @functools.cached_property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return max(map(len, self.paths))   # from the paths: no tensor read (its tensors may be a device's copies)
 
     @functools.cached_property
     def max_rank(self) -> int:
-        return int(self.rank.max()) + 1
+        return max(p[-1] for p in self.paths) + 1
 
     @classmethod
     def from_paths(cls, paths) -> "Tree":

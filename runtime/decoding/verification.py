@@ -181,10 +181,11 @@ def tree_sampled_host(logits: np.ndarray, tokens: list[list[int]], tree, tempera
 
 
 def without(R: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The residual after a deterministic proposal x is rejected, in the given rows: (R − δx)+, in place. R is
-    kept unnormalised (acceptance divides by its total)."""
-    R[rows, x[rows]] = 0.0
-    return R
+    """The residual after a deterministic proposal x is rejected, in the given rows (a (B,) mask): (R − δx)+, in
+    place. R is kept unnormalised (acceptance divides by its total). A scatter over every row, not an index by
+    the mask (which reads the mask's count back to the host)."""
+    x = x[:, None]                                                     # (B, 1)
+    return R.scatter_(1, x, R.gather(1, x).masked_fill_(rows[:, None], 0.0))
 
 
 def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.Generator):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.errors import BackendError
+from specrt.errors import BackendError, DeviceError
 from specrt.engines.kv_cache import KVCache
 from specrt.engines.manifest import WRITTEN, logits_width
 
@@ -67,6 +67,26 @@ def providers(device: torch.device, spec: dict, **cuda_options: str) -> list:
     return [("CUDAExecutionProvider", {"device_id": str(device.index or 0), **cuda_options})]
 
 
+CUDA_REQUIREMENTS = "https://onnxruntime.ai/docs/execution-providers/CUDA-ExecutionProvider.html#requirements"
+
+
+def check_providers(session, device: torch.device) -> None:
+    """ONNX Runtime falls back to the CPU when its CUDA provider cannot load (cuDNN or cuBLAS missing, another CUDA
+    major version than onnxruntime-gpu's, the CPU wheel installed): it only warns. A session meant for a GPU
+    that did not get it is refused here, before CUDA pointers are bound to a CPU session."""
+    if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise BackendError(cuda_fallback(session.get_providers()))
+
+
+def cuda_fallback(got: list[str]) -> str:
+    import onnxruntime as ort
+    return (f"ONNX Runtime {ort.__version__} did not start its CUDA provider and fell back to {', '.join(got)} "
+            "(its warning above names the cause: usually a CUDA or cuDNN library it could not load, or of another "
+            "major version than the one onnxruntime-gpu was built for, or the CPU wheel 'onnxruntime' installed "
+            f"instead of 'onnxruntime-gpu'): install the CUDA and cuDNN versions listed at {CUDA_REQUIREMENTS}, "
+            "or use --device cpu")
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -89,7 +109,9 @@ class OrtEngine:
 
     name = "onnxruntime"
 
-    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None):
+    def __init__(self, path: Path, spec: dict, device: str = "cpu", threads: int | None = None, weights=None):
+        """`weights`: a SharedWeights (see specrt.engines.static) whose values stand for the graph's stored
+        weights, shared with other sessions."""
         try:
             import onnxruntime as ort
         except ImportError as e:
@@ -98,7 +120,10 @@ class OrtEngine:
         self.ort, self.spec, self.device = ort, spec, torch.device(device)
         self.dtype = engine_dtype(spec)
         options = session_options(ort, spec, threads)
+        if weights is not None:
+            weights.add_to(options, Path(path))
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
+        check_providers(self.session, self.device)
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
@@ -259,6 +284,7 @@ class OrtHeads:
         self.spec, self.device, self.num_heads = spec, torch.device(device), spec["num_heads"]
         options = session_options(ort, spec, threads)
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
+        check_providers(self.session, self.device)
         self.binding = self.session.io_binding()
         self.root_token = bool(spec.get("root_token"))
         self.sequential = bool(spec.get("sequential"))
@@ -321,7 +347,6 @@ def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.de
     bind(name, device.type, device.index or 0, ONNX_TYPES[t.dtype], list(t.shape), t.data_ptr())
 
 
-
 def pick_device(requested: str = "auto") -> str:
     """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" where they cannot is an
     error that says what is missing and the fix."""
@@ -330,24 +355,88 @@ def pick_device(requested: str = "auto") -> str:
     if requested.split(":")[0] == "cuda":
         missing = cuda_missing()
         if missing:
-            raise BackendError(f"--device {requested}: {missing}. Install the GPU extra (pip install "
-                               "'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu")
+            raise BackendError(f"--device {requested}: {missing}")
         return requested
     if requested != "cpu":
         raise BackendError(f"--device {requested!r}: expected auto, cpu or cuda")
     return requested
 
 
+def built_for(manifest: dict) -> str:
+    """The device an engine set was built for: "cuda" (`specrt build --device cuda`, or TensorRT engines), else
+    "cpu"."""
+    entries = [spec.get("engine", {}) for spec in manifest["models"].values()]
+    return "cuda" if any(e.get("device") == "cuda" or e.get("backend") == "tensorrt" for e in entries) else "cpu"
+
+
+def _cuda_only(manifest: dict) -> str | None:
+    """Which of an engine set's engines cannot run on the CPU provider, or None."""
+    entries = [spec.get("engine", {}) for spec in manifest["models"].values()]
+    if any(e.get("backend") == "tensorrt" for e in entries):
+        return "TensorRT engines"
+    if any(e.get("dtype") == "bfloat16" for e in entries):
+        return "bfloat16 engines (ONNX Runtime has no bfloat16 CPU kernels)"
+    return None
+
+
+def engine_set_device(manifest: dict, directory, requested: str = "auto") -> str:
+    """The device to run an engine set on. "auto": the one it was built for, which must be here. An explicit
+    device must suit the set: CPU engines do not run on CUDA; CUDA-built ONNX Runtime engines run on the CPU
+    provider (float32 and float16: how their graphs are checked without a GPU), except bfloat16 ones and TensorRT
+    engines."""
+    built = built_for(manifest)
+    if requested == "auto":
+        missing = cuda_missing() if built == "cuda" else None
+        if missing:
+            raise DeviceError(f"{directory} was built for CUDA, and {missing.removesuffix(INSTALL_GPU)}: run it on a machine with an NVIDIA "
+                              "GPU and the GPU extra (pip install 'specrt[gpu]'), or build it for the CPU "
+                              f"(`specrt build {directory}`)")
+        return built
+    kind = requested.split(":")[0]
+    if kind == "cuda" and built == "cpu":
+        raise DeviceError(f"--device {requested}: {directory} was built for the CPU: build it for CUDA (`specrt "
+                          f"build {directory} --device cuda`), or use --device cpu (or auto)")
+    cuda_only = _cuda_only(manifest) if kind == "cpu" else None
+    if cuda_only:
+        raise DeviceError(f"--device cpu: {directory} holds {cuda_only}, which run on CUDA only: use --device cuda "
+                          f"(or auto) on a GPU machine, or build the set for the CPU (`specrt build {directory}`)")
+    return pick_device(requested)
+
+
+INSTALL_GPU = ": install the GPU extra (pip install 'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
+
+
+@functools.cache
 def cuda_missing() -> str | None:
-    """What keeps engines off the GPU here, or None."""
+    """What keeps engines off the GPU here and its fix, or None. ONNX Runtime's CUDA provider is started once in a
+    one-node session: being listed among the available providers does not mean that it loads."""
     if not torch.cuda.is_available():
-        return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)"
+        return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)" + INSTALL_GPU
     try:
         import onnxruntime as ort
     except ImportError:
-        return "onnxruntime is not installed"
+        return "onnxruntime is not installed" + INSTALL_GPU
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not 'onnxruntime-gpu')"
+        return ("onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not "
+                "'onnxruntime-gpu')" + INSTALL_GPU)
+    return cuda_provider_problem(ort)
+
+
+def cuda_provider_problem(ort, device_id: int = 0) -> str | None:
+    """Start the CUDA provider in a one-node session: None when it runs there, else the cause and fix."""
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)   # any onnxruntime reads it
+    try:
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=[("CUDAExecutionProvider", {"device_id": str(device_id)})])
+    except Exception as e:  # with CUDA_PATH set, ONNX Runtime raises instead of falling back
+        return (f"ONNX Runtime's CUDA provider failed to start ({type(e).__name__}: {e}): install the CUDA and "
+                f"cuDNN versions listed at {CUDA_REQUIREMENTS}, or use --device cpu")
+    if "CUDAExecutionProvider" not in session.get_providers():
+        return cuda_fallback(session.get_providers())
     return None
 
 

@@ -164,9 +164,9 @@ class TensorRTEngine:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1) -> float:
+    def time_pass(self, context: int, k: int, reps: int = 3, batch: int = 1, **extra: torch.Tensor) -> float:
         """Best-of-`reps` seconds of one pass over k tokens per row, `batch` rows, after `context` cached positions
-        (synchronised)."""
+        (synchronised); `extra`: further inputs (an EAGLE drafter's features)."""
         from specrt.engines.base import chain_mask, measure
         cache = self.new_cache(batch, context + k)
         cache.truncate(max(context, 0))
@@ -176,6 +176,6 @@ class TensorRTEngine:
         stream = torch.cuda.current_stream(self.device)
 
         def one_pass():
-            self.forward(ids, pos, cache.past_len, mask, k, cache)
+            self.forward(ids, pos, cache.past_len, mask, k, cache, **extra)
             stream.synchronize()
         return measure(one_pass, reps)

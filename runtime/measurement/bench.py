@@ -25,6 +25,7 @@ from specrt.measurement import llamacpp, rss
 from specrt.measurement.report import PEER_LOOKUP_TOKENS
 from specrt.errors import BackendError, InputError, SpecrtError
 
+MT_BENCH, LONG_PROMPTS = "mt_bench.jsonl", "long_prompts.jsonl"   # the packaged prompt sets (specrt/data)
 LLAMACPP = ("llama.cpp", "generate")   # the llama.cpp row's (system, method)
 
 
@@ -38,7 +39,7 @@ class Prompt:
 @dataclass
 class BenchConfig:
     engines: Path
-    prompts: Path | None = None          # None: the packaged MT-Bench set
+    prompts: Path | None = None          # None: a packaged set, MT-Bench or (long_prompts) the long prompts
     methods: tuple[str, ...] = ("autoregressive", "draft", "ngram")
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_new_tokens: int = 128
@@ -49,10 +50,11 @@ class BenchConfig:
     out: Path = Path("bench-out")
     seed: int = 0
     threads: int | None = None
-    device: str = "auto"                 # the engines' device; the transformers peers run there too
+    device: str = "auto"                 # the engines' device (auto: the one they were built for); the peers' too
     llamacpp: bool | None = None         # None: with the peers, where llama-cpp-python is installed
     memory: bool = True                  # peak memory of each method and peer, one fresh process each
     compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
+    long_prompts: bool = False           # the packaged long prompts (2.6k-6.6k tokens) instead of MT-Bench
 
 
 @dataclass
@@ -67,10 +69,11 @@ class Bench:
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
-def load_prompts(path: Path | None, limit: int) -> list[Prompt]:
-    """Rows with `prompt_ids` (list of ints), `prompt` (text) or `turns` (the first turn is the prompt)."""
+def load_prompts(path: Path | None, limit: int, packaged: str = MT_BENCH) -> list[Prompt]:
+    """Rows with `prompt_ids` (list of ints), `prompt` (text) or `turns` (the first turn is the prompt); `path`
+    None: the packaged set `packaged`."""
     if path is None:
-        text, name = resources.files("specrt").joinpath("data/mt_bench.jsonl").read_text(), "mt_bench.jsonl"
+        text, name = resources.files("specrt").joinpath(f"data/{packaged}").read_text(), packaged
     else:
         text, name = Path(path).read_text(), str(path)
     prompts = []
@@ -145,7 +148,7 @@ def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: in
     wall = time.perf_counter() - t
     s = out.stats
     return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
-            "output_ids": out.token_ids[0],
+            "output_ids": out.token_ids[0], "prompt_tokens": len(ids), "prefill_s": s["prefill_time_s"],
             "time_s": wall, "tokens_per_s": s["tokens"] / wall, "decode_time_s": wall - s["prefill_time_s"],
             "rounds": s["rounds"], "loop_time_s": s["loop_time_s"], "alpha": s["acceptance_rate"],
             "mean_tokens_per_round": s["mean_tokens_per_round"],
@@ -181,12 +184,13 @@ def run_peer(model, ids: list[int], name: str, temperature: float, max_new: int,
 
 
 def run_llamacpp(peer, ids: list[int], temperature: float, max_new: int, seed: int, eos: list[int]) -> dict:
-    """Timed like the others: the call, prefill included, over the tokens it made."""
+    """Timed like the others: the call, prefill included, over the tokens it made; prefill: until the first."""
     t = time.perf_counter()
     out = peer.generate(ids, temperature, max_new, seed, eos)
     wall = time.perf_counter() - t
     return {"system": LLAMACPP[0], "method": LLAMACPP[1], "temperature": temperature, "tokens": len(out),
-            "time_s": wall, "tokens_per_s": len(out) / wall, "output_ids": out}
+            "time_s": wall, "tokens_per_s": len(out) / wall, "output_ids": out, "prompt_tokens": len(ids),
+            "prefill_s": peer.first_token_s, "decode_time_s": wall - peer.first_token_s}
 
 
 # ---- the bench ----------------------------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
     from specrt.decoding.generate import Generator
 
-    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts, LONG_PROMPTS if cfg.long_prompts else MT_BENCH)
     torch.set_num_threads(bench.info["threads"])
     gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"])
     methods = [m for m in cfg.methods if _runnable(gen, m, bench.notes)]
@@ -216,12 +220,18 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
         methods.insert(0, "autoregressive")
         bench.notes.append("autoregressive added: it is the baseline of every speedup")
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
+    longest = max(map(len, ids))
+    if longest + cfg.max_new_tokens > gen.max_len:
+        raise InputError(f"a prompt of {longest} tokens and {cfg.max_new_tokens} new tokens do not fit {cfg.engines}'s "
+                         f"maximum sequence length {gen.max_len}: export the engines with a larger --max-seq-len "
+                         f"(e.g. {1 << (longest + cfg.max_new_tokens).bit_length()}) or pass fewer --max-new-tokens")
     models = gen.manifest["models"]
     peers = _peers(cfg, models, bench.notes)
-    llama = _llamacpp(cfg, models["target"], bench)
+    llama = _llamacpp(cfg, models["target"], bench, gen.target.device.type)
     target = load_source(models["target"]["source"]).model.to(gen.target.device)
     assistant = load_source(models["draft"]["source"]).model.to(gen.target.device) if "hf-assisted" in peers else None
-    bench.info.update(_floor(target), engines=str(cfg.engines), prompts=str(cfg.prompts or "mt_bench"),
+    bench.info.update(_floor(target), engines=str(cfg.engines),
+                      prompts=str(cfg.prompts or ("long_prompts" if cfg.long_prompts else "mt_bench")),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
                       costs=_cost_entry(gen), compare=[])
     others = []
@@ -323,9 +333,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
 
 def _runnable(gen, method: str, notes: list[str]) -> bool:
-    from specrt.decoding.generate import METHODS
-    if method not in METHODS and method not in TREE_METHODS:
-        raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
+    from specrt.decoding.generate import AUTO, METHODS
+    if method not in METHODS and method not in TREE_METHODS and method != AUTO:
+        raise InputError(f"--methods {method!r}: choose from {', '.join((AUTO, *METHODS, *TREE_METHODS))}")
     if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
         notes.append(f"{method} skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
         return False
@@ -348,7 +358,7 @@ def _peers(cfg: BenchConfig, models: dict, notes: list[str]) -> list[str]:
     return names
 
 
-def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
+def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench, device: str):
     """The llama.cpp peer; None with a note where it was not asked for and cannot run, an error where it was."""
     if not (cfg.peers if cfg.llamacpp is None else cfg.llamacpp):
         return None
@@ -361,8 +371,7 @@ def _llamacpp(cfg: BenchConfig, target: dict, bench: Bench):
         raise BackendError(f"--llamacpp: llama-cpp-python is not installed: {llamacpp.INSTALL}")
     peer = llamacpp.LlamaCpp(llamacpp.gguf_file(target), target["max_seq_len"], bench.info["threads"])
     bench.info["versions"]["llama_cpp_python"] = llamacpp.version()
-    from specrt.engines.base import pick_device
-    if pick_device(cfg.device) != "cpu":
+    if device != "cpu":
         bench.notes.append("llama.cpp runs on the CPU (llama-cpp-python as pip builds it by default)")
     return peer
 
@@ -431,7 +440,7 @@ def _import_code(spec: dict) -> None:
 
 def _load_system(spec: dict):
     """Load one system as the bench does; return run(ids, seed) -> its run row."""
-    from specrt.engines.base import pick_device
+    from specrt.engines.base import engine_set_device
     from specrt.export.sources import load_source
     from specrt.decoding.generate import Generator
     from specrt.engines.manifest import read_manifest
@@ -441,11 +450,12 @@ def _load_system(spec: dict):
     if spec["system"].startswith("specrt"):
         gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
         return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
-    models = read_manifest(spec["engines"])["models"]
+    manifest = read_manifest(spec["engines"])
+    models = manifest["models"]
     if spec["system"] == LLAMACPP[0]:
         peer = llamacpp.LlamaCpp(llamacpp.gguf_file(models["target"]), models["target"]["max_seq_len"], threads)
         return lambda ids, seed: run_llamacpp(peer, ids, temp, new, seed, eos)
-    device = pick_device(spec["device"])
+    device = engine_set_device(manifest, spec["engines"], spec["device"])   # where the engines run, as in the bench
     target = load_source(models["target"]["source"]).model.to(device)
     assistant = load_source(models["draft"]["source"]).model.to(device) if spec["method"] == "hf-assisted" else None
     return lambda ids, seed: run_peer(target, ids, spec["method"], temp, new, seed, eos, assistant)
@@ -465,6 +475,10 @@ def _csv(kind):
 @click.argument("engines", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="JSONL with 'turns', 'prompt' or 'prompt_ids' per row (default: the packaged MT-Bench set).")
+@click.option("--long-prompts", is_flag=True,
+              help="The packaged long prompts instead of MT-Bench: 4 documents of 2.6k-6.6k tokens to summarise, "
+                   "edit or answer from (engines exported with --max-seq-len 8192); the report gives each method's "
+                   "prefill time, decode speed and peak memory.")
 @click.option("--methods", default="autoregressive,draft,ngram", show_default=True, callback=_csv(str))
 @click.option("--temperatures", default="0,0.7", show_default=True, callback=_csv(float))
 @click.option("--max-new-tokens", default=128, show_default=True)
@@ -482,21 +496,25 @@ def _csv(kind):
                    "timed runs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=int, help="Engine and torch threads (default: all cores).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (the peers run there too).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (the device the engine set was built for), cpu or cuda; the peers run there too.")
 @click.option("--compare", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Another engine set of the same target (e.g. built with --target-weights int4) whose methods run "
                    "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
                    "stay against ENGINES' autoregressive.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def bench(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep, sweep_prompts,
-          peers, llamacpp, memory, seed, threads, device, compare, out):
+def bench(engines, prompts, long_prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
+          sweep_prompts, peers, llamacpp, memory, seed, threads, device, compare, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specrt.measurement.report import terminal_table, write_outputs
+    if prompts is not None and long_prompts:
+        raise click.UsageError("--prompts and --long-prompts: give one prompt set")
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
-                      sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare))
+                      sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare),
+                      long_prompts)
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:

@@ -3,7 +3,11 @@
 1. Greedy: the method's output is token-identical to the target's own greedy output on a few prompts; a
    difference is reported with the target's logit gap at that step (a near tie between kernels, or a bug).
 2. Sampling: many sequences of a few tokens are drawn with the method; for the most frequent prefixes the
-   next token's counts are compared (chi-square) with the exact target distribution at that prefix.
+   next token's counts are compared (chi-square) with the exact target distribution at that prefix. A sequence
+   that ends at an end-of-sequence token keeps it as the outcome at its position (nothing follows it).
+
+The verdict is PASS only where both checks ran: a check that could not run (no prompt, or no prefix whose next
+token has two outcomes likely enough to count) is reported as not tested, never as passed.
 """
 from __future__ import annotations
 
@@ -17,16 +21,28 @@ from scipy.stats import chisquare
 from specrt.decoding.sampling import SamplingParams, probs
 
 TIE_GAP = 1e-3
+END = -1   # no token: the sequence ended (at an end-of-sequence token) before this position
 
 
 @dataclass
 class Report:
     greedy: list[dict] = field(default_factory=list)
-    tests: list[dict] = field(default_factory=list)
+    tests: list[dict] = field(default_factory=list)       # the chi-square tests that ran
+    untested: list[str] = field(default_factory=list)     # what could not be tested, and why
+    sampling: bool = True                                 # the sampling check was asked for
+
+    @property
+    def verdict(self) -> str:
+        """FAIL where a check found a difference; NOT TESTED where a check asked for could not run; else PASS."""
+        if not all(g["ok"] for g in self.greedy) or any(t["p_value"] <= t["alpha"] for t in self.tests):
+            return "FAIL"
+        if not self.greedy or (self.sampling and not self.tests):
+            return "NOT TESTED"
+        return "PASS"
 
     @property
     def passed(self) -> bool:
-        return all(g["ok"] for g in self.greedy) and all(t["p_value"] > t["alpha"] for t in self.tests)
+        return self.verdict == "PASS"
 
 
 def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
@@ -37,7 +53,7 @@ def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
 def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int, **kw) -> list[dict]:
     rows = []
     for ids in prompts:
-        ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method=method, adaptive=False,
                            **kw).token_ids[0]
         diverge = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
@@ -52,10 +68,10 @@ def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int
     return rows
 
 
-def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, samples: int, depth: int,
-                   prefixes: int, alpha: float, chunk: int = 256, **kw) -> list[dict]:
-    """Chi-square of the next-token counts at the most frequent prefixes against the exact target
-    distribution there (bins expected below 5 are pooled)."""
+def draw(gen, ids: list[int], method: str, params: SamplingParams, samples: int, depth: int, chunk: int = 256,
+         **kw) -> list[tuple[int, ...]]:
+    """`samples` sequences of `depth` new tokens after `ids`; one that ends early (at an end-of-sequence token,
+    which stays as its last token) is padded with END."""
     seqs = []
     for start in range(0, samples, chunk):
         n = min(chunk, samples - start)
@@ -63,12 +79,26 @@ def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, sam
         out = gen.generate(prompt_ids=ids, max_new_tokens=depth, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed, num_return_sequences=n,
                            method=method, adaptive=False, **kw)
-        seqs += [tuple(t) for t in out.token_ids if len(t) == depth]
-    tests = []
+        seqs += [tuple(t) + (END,) * (depth - len(t)) for t in out.token_ids]
+    return seqs
+
+
+def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, samples: int, depth: int,
+                   prefixes: int, alpha: float, chunk: int = 256, **kw) -> tuple[list[dict], list[str]]:
+    """Chi-square of the next-token counts at the most frequent prefixes against the exact target
+    distribution there (bins expected below 5 are pooled; the end-of-sequence token is an outcome like any
+    other). -> (the tests, what could not be tested and why)."""
+    seqs = draw(gen, ids, method, params, samples, depth, chunk, **kw)
+    tests, untested = [], []
+    if depth < 2:
+        untested.append(f"--depth {depth}: the first token comes from the prefill, not from a drafter; the test "
+                        "needs a depth of at least 2")
     for d in range(1, depth):  # position 0 comes from the prefill, not from a drafter
-        counts = Counter(s[:d] for s in seqs)
+        counts = Counter(s[:d] for s in seqs if END not in s[:d + 1])
+        if not counts:
+            untested.append(f"position {d}: every sequence ended before it")
         for prefix, total in counts.most_common(prefixes):
-            observed = Counter(s[d] for s in seqs if s[:d] == prefix)
+            observed = Counter(s[d] for s in seqs if s[:d] == prefix and s[d] != END)
             P = probs(next_token_logits(gen, ids + list(prefix)), params).double().numpy()
             expected = P * total
             big = expected >= 5
@@ -78,12 +108,14 @@ def check_sampling(gen, ids: list[int], method: str, params: SamplingParams, sam
             if exp[-1] < 1e-9:
                 obs, exp = obs[:-1], exp[:-1]
             if len(exp) < 2:
+                untested.append(f"position {d} after {list(prefix)}: {total} samples, the next token has one outcome "
+                                "expected 5 times or more (nothing to compare)")
                 continue
             p = float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
             impossible = sum(c for t, c in observed.items() if P[t] == 0)
             tests.append({"position": d, "prefix": list(prefix), "samples": total, "bins": len(exp),
                           "p_value": 0.0 if impossible else p, "alpha": alpha})
-    return tests
+    return tests, untested
 
 
 def compare_engines(gen, other, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
@@ -92,8 +124,8 @@ def compare_engines(gen, other, prompts: list[list[int]], max_new_tokens: int) -
     Speculation is lossless with respect to the target it runs, so this is the whole cost of quantizing it."""
     rows = []
     for ids in prompts:
-        a = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
-        b = other.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        a = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
+        b = other.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
         diverge = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         row = {"prompt_tokens": len(ids), "tokens": min(len(a), len(b)), "identical": a == b,
                "diverged_at": diverge}

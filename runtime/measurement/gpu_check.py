@@ -93,11 +93,11 @@ def check_device(device: str) -> None:
         raise BackendError(f"--device {device!r}: expected cuda or cpu")
     if device == "cpu":
         return
-    import onnxruntime as ort
-    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise BackendError("gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
-                           f"(providers here: {', '.join(ort.get_available_providers())}): pip install "
-                           "'specrt[gpu]' in place of 'specrt[cpu]'; --device cpu runs the same check on the CPU")
+    from specrt.engines.base import cuda_missing
+    missing = cuda_missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
+    if missing:
+        raise BackendError(f"gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
+                           f"whose CUDA provider starts: {missing} (--device cpu runs the same check on the CPU)")
 
 
 def _random_llama(shape: dict, directory: Path, seed: int):
@@ -195,7 +195,7 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     for ids in prompts:
         key = tuple(ids)
         if key not in refs:
-            refs[key] = reference.generate(prompt_ids=ids, max_new_tokens=n).token_ids[0]
+            refs[key] = reference.generate(prompt_ids=ids, max_new_tokens=n, method="autoregressive").token_ids[0]
         ref = refs[key]
         out = candidate.generate(prompt_ids=ids, max_new_tokens=n, **kw)
         got = out.token_ids[0]
@@ -210,6 +210,27 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
                        max_logit_diff=float((a - b).abs().max()), ok=max(gaps) < TIE_GAP)
         rows.append(row | {"stats": _round_stats(out.stats)})
     return rows
+
+
+def target_memory(free_before: int, directory: Path) -> dict:
+    """Device memory the CUDA target took as it loaded (its dynamic and width sessions), against its weights file:
+    near 1× when the sessions share one copy of the weights, about one more per width graph if not."""
+    from specrt.engines.manifest import read_manifest
+    torch.cuda.synchronize()
+    used = free_before - torch.cuda.mem_get_info()[0]
+    entry = read_manifest(directory)["models"]["target"]["engine"]
+    weights = (directory / entry["weights_file"]["file"]).stat().st_size
+    return {"device_mb": round(used / 2 ** 20, 1), "weights_mb": round(weights / 2 ** 20, 1),
+            "over_weights": round(used / weights, 2)}
+
+
+def width_fallbacks(gen) -> dict:
+    """Per model with width graphs, the widths whose graph ONNX Runtime refused (or whose pass failed) and why:
+    their passes run a wider graph or the dynamic one (see specrt.engines.static)."""
+    from specrt.engines.static import StaticWidthEngine
+    engines = {"target": gen.target, **{role: getattr(gen, role) for role in ("draft", "eagle") if gen.has(role)}}
+    return {role: {str(w): why for w, why in engine.fallbacks.items()} for role, engine in engines.items()
+            if isinstance(engine, StaticWidthEngine)}
 
 
 def _round_stats(s: dict) -> dict:
@@ -344,7 +365,14 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
     sets = {}
     with progress.step(f"build {cfg.device} float32 engines"):
         sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
+        free = torch.cuda.mem_get_info()[0] if cfg.device == "cuda" else None
         dev = Generator.from_engines(sets["float32"], device=cfg.device)
+        if free is not None:
+            report["target_memory"] = target_memory(free, sets["float32"])
+    report["width_fallbacks"] = width_fallbacks(dev)
+    for role, got in report["width_fallbacks"].items():
+        for w, why in got.items():
+            progress.log(f"    {role} width {w} runs without its graph: {why}")
     prompts = prompt_ids(cpu, cfg.prompts)
     with progress.step(f"greedy: {cfg.device} float32 against the CPU engines"):
         report["greedy"] = greedy_rows(cpu, dev, prompts, cfg.max_new_tokens)

@@ -4,6 +4,7 @@ the same max new tokens and end-of-sequence ids."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 from specrt.errors import BackendError, InputError
@@ -42,6 +43,7 @@ class LlamaCpp:
             raise BackendError(f"llama.cpp peer: llama-cpp-python is not installed: {INSTALL}")
         from llama_cpp import Llama
         self.n_ctx = n_ctx
+        self.first_token_s = None   # the last generate() call's seconds until its first token (the prefill)
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
 
@@ -50,9 +52,12 @@ class LlamaCpp:
         self.llm.reset()   # no KV reuse from the previous call's prompt: every call pays its prefill
         self.llm.set_seed(seed)
         out = []
+        started = time.perf_counter()
         tokens = self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
                                    repeat_penalty=1.0)
         for tok in tokens:
+            if not out:
+                self.first_token_s = time.perf_counter() - started
             out.append(tok)
             if tok in eos or len(out) == max_new or len(ids) + len(out) >= self.n_ctx:
                 break

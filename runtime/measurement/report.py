@@ -75,6 +75,9 @@ def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, floa
             "host_ms_per_round": 1e3 * sum(r["loop_time_s"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
             if all("loop_time_s" in r for r in rs) else None,
             "acceptance_per_position": _mean_positions([r.get("acceptance_per_position") or [] for r in rs]),
+            "prompt_tokens": _mean([r.get("prompt_tokens") for r in rs]),
+            "prefill_s": _mean([r.get("prefill_s") for r in rs]),
+            "decode_tokens_per_s": _decode_speed(rs),
         })
     base = {r["temperature"]: r["tokens_per_s"] for r in rows
             if r["system"] == "specrt" and r["method"] == "autoregressive"}
@@ -89,6 +92,14 @@ def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, floa
                   if (x["temperature"], x.get("prompt")) in per_prompt]
         r["speedup_range"] = [min(ratios), max(ratios)] if ratios else None
     return rows
+
+
+def _decode_speed(runs: list[dict]) -> float | None:
+    """The tokens after the first over the time after the prefill (None where a run's prefill is not known)."""
+    if not runs or any(r.get("prefill_s") is None for r in runs):
+        return None
+    decode = sum(r["time_s"] - r["prefill_s"] for r in runs)
+    return sum(r["tokens"] - 1 for r in runs) / decode if decode > 0 else None
 
 
 def _plain_share(runs: list[dict]) -> float | None:
@@ -235,6 +246,7 @@ def report_markdown(results: dict) -> str:
         out += [f"llama.cpp's greedy output equalled specrt autoregressive's on {agree['identical']} of "
                 f"{agree['prompts']} prompts" + (f"; the others first differ at token {', '.join(firsts)}" if firsts
                                                  else "") + " (information only: different arithmetic).", ""]
+    out += _prefill_section(results)
     out += _memory_section(results)
     if results["sweep"]:
         out += ["## Speedup against γ", "",
@@ -258,6 +270,22 @@ def report_markdown(results: dict) -> str:
             "hence different lengths and acceptance."]
     out += [f"- {n}" for n in results["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _prefill_section(results: dict) -> list[str]:
+    rows = [r for r in sorted(results["summary"], key=lambda r: (r["temperature"], _order(r["system"]),
+                                                                 r["method"] != "autoregressive", r["method"]))
+            if r.get("prefill_s") is not None]
+    if not rows:
+        return []
+    return ["## Prefill and decode", "",
+            "Prefill: seconds until the first new token, mean over the prompts (specrt: the prompt's passes through "
+            "the target and the method's drafter, in chunks; llama.cpp: its first token's time). Decode: the tokens "
+            "after the first over the time after the prefill. Peak MB: see Peak memory.", "",
+            markdown_table(["system", "method", "T", "prompt tokens", "prefill s", "decode tokens/s", "peak MB"],
+                           [[r["system"], r["method"], _f(r["temperature"], "g"), _f(r["prompt_tokens"], ".0f"),
+                             _f(r["prefill_s"]), _f(r["decode_tokens_per_s"], ".1f"),
+                             _f(r.get("peak_memory_mb"), ".0f")] for r in rows]), ""]
 
 
 def _memory_section(results: dict) -> list[str]:

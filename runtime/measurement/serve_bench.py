@@ -4,6 +4,10 @@ For each concurrency c, the same requests (MT-Bench prompts, greedy, chat templa
 flight; it reports generated tokens per second over the whole wave, time to first token and the speedup over
 c = 1 (one request at a time, measured in the same run), then the server's own count of rounds by batch size
 and how many of them speculated.
+
+`--long-prompt`: a few short streams run, and once each has its first token one long prompt arrives (one of the
+packaged long prompts); it reports the short streams' largest gap between two tokens (a prefill that is not
+chunked stalls them for all of it) and the long request's time to first token.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -53,13 +58,14 @@ def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
             proc.wait()
 
 
-def stream_request(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat completion: its start, first-token and end times, token count and the server's figures."""
+def stream_request(url: str, prompt: str, max_tokens: int, began: threading.Event | None = None) -> dict:
+    """One streamed chat completion: its start, first-token and end times, when each chunk of tokens came, token
+    count and the server's figures. `began` is set at the first token."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    start, first, tokens, stats = time.perf_counter(), None, 0, None
-    with urllib.request.urlopen(req, timeout=600) as r:
+    start, first, tokens, stats, arrivals = time.perf_counter(), None, 0, None, []
+    with urllib.request.urlopen(req, timeout=1800) as r:
         for line in r:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
@@ -67,12 +73,16 @@ def stream_request(url: str, prompt: str, max_tokens: int) -> dict:
             if "error" in chunk:
                 raise InputError(f"the server answered an error: {chunk['error']['message']}")
             n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-            if n and first is None:
-                first = time.perf_counter()
+            if n:
+                arrivals.append(time.perf_counter())
+                if first is None:
+                    first = arrivals[0]
+                    if began is not None:
+                        began.set()
             tokens += n
             stats = chunk.get("specrt", stats)
     return {"start": start, "first": first or time.perf_counter(), "end": time.perf_counter(), "tokens": tokens,
-            "stats": stats}
+            "stats": stats, "arrivals": arrivals}
 
 
 def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -86,6 +96,55 @@ def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dic
     return {"concurrency": concurrency, "requests": len(done), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "ttft_mean_s": statistics.mean(ttft), "ttft_max_s": max(ttft),
             "batch_rounds": done[-1]["stats"].get("batch_rounds") if done[-1]["stats"] else None}
+
+
+def long_prompt_wave(url: str, short: list[str], long: str, max_tokens: int, long_tokens: int) -> dict:
+    """The short prompts streamed at once; when each has its first token, the long one arrives. Each short
+    stream's largest gap between two token arrivals, and the long request's time to first token."""
+    began = [threading.Event() for _ in short]
+    with ThreadPoolExecutor(len(short) + 1) as pool:
+        streams = [pool.submit(stream_request, url, p, max_tokens, b) for p, b in zip(short, began)]
+        for b in began:
+            b.wait(1800)
+        late = pool.submit(stream_request, url, long, long_tokens)
+        shorts, lone = [f.result() for f in streams], late.result()
+    gaps = [max((b - a for a, b in zip(s["arrivals"], s["arrivals"][1:])), default=0.0) for s in shorts]
+    during = sum(lone["start"] < t < lone["first"] for s in shorts for t in s["arrivals"])
+    return {"short_streams": len(short), "short_tokens": sum(s["tokens"] for s in shorts),
+            "short_max_gap_s": max(gaps), "short_max_gaps_s": gaps,
+            "short_itl_mean_s": statistics.mean((s["end"] - s["first"]) / max(1, s["tokens"] - 1) for s in shorts),
+            "short_chunks_during_long_prefill": during, "long_ttft_s": lone["first"] - lone["start"],
+            "long_tokens": lone["tokens"], "long_stats": lone["stats"]}
+
+
+def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int, threads: int | None,
+                      prefill_chunk: int | None, out: Path, long_id: str = "review-letter-answers",
+                      log=print) -> dict:
+    """`streams` short streams (MT-Bench prompts, `max_tokens` each) and one long prompt (the packaged long prompt
+    `long_id`, 32 tokens) arriving while they run, against one server; serve_bench.json and .md in `out`."""
+    from specrt.measurement.bench import LONG_PROMPTS, load_prompts
+    short = [p.text for p in load_prompts(None, streams)]
+    long = next((p.text for p in load_prompts(None, 100, LONG_PROMPTS) if p.id == long_id), None)
+    if long is None:
+        raise InputError(f"--long-prompt {long_id!r}: not an id of the packaged long prompts")
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["--max-batch", str(streams + 1), "--method", method] + (["--threads", str(threads)] if threads else []) \
+        + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else [])
+    with server(engines, out / "server.log", *args) as (url, _):
+        stream_request(url, short[0], 8)   # warm-up: first passes, cost measurements
+        log(f"{streams} streams of {max_tokens} tokens ({method}), then a long prompt ({long_id}) ...")
+        r = long_prompt_wave(url, short, long, max_tokens, 32)
+    report = {"engines": str(engines), "method": method, "max_tokens": max_tokens, "long_prompt": long_id,
+              "prefill_chunk": prefill_chunk, "long_prompt_result": r}
+    (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# Serving: a long prompt ({long_id}) joins {streams} running streams ({method}, greedy)", "",
+             "| short streams' largest gap (s) | their mean inter-token (s) | their tokens while the long prompt was "
+             "prefilled | long request's time to first token (s) |", "|---|---|---|---|",
+             f"| {r['short_max_gap_s']:.2f} | {r['short_itl_mean_s']:.3f} | {r['short_chunks_during_long_prefill']} | "
+             f"{r['long_ttft_s']:.1f} |"]
+    (out / "serve_bench.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return report
 
 
 def bench_serve(engines: Path, concurrency: list[int], method: str, requests: int, max_tokens: int,

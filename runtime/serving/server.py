@@ -4,8 +4,12 @@ Requests are decoded together (continuous batching): one scheduler thread owns t
 (generate.Batch) round after round; a request that arrives joins the running batch at the next round boundary
 when a row is free and its options match the batch's (method and sampling; a greedy request matches any greedy
 batch of its method), and leaves it when it finishes, when its client has gone or when a stop string came. A
+joining request's prompt is prefilled in chunks (--prefill-chunk tokens), one chunk between two rounds of the
+running batch, so that a long prompt does not stall the streams already running (chunked prefill). A
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
-thread of their own and wait for the scheduler's events.
+thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
+(a stream: an error chunk, then [DONE]) and the next batch starts afresh. On SIGTERM (or Ctrl-C) the running
+requests get SHUTDOWN_GRACE_S seconds to finish, then end with an error.
 """
 from __future__ import annotations
 
@@ -29,13 +33,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 import torch
+import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.decoding.generate import MAX_MEASURED_BATCH, METHODS, Batch, Detokenizer, Generator
+from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
 
 log = logging.getLogger("specrt.serving.server")
+
+SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running requests may still take
 
 # ---- the request schema (OpenAI's fields that specrt serves; other fields are ignored) -----------------------------
 
@@ -43,7 +50,7 @@ log = logging.getLogger("specrt.serving.server")
 class SpecrtOptions(BaseModel):
     """The `specrt` extension field of a request: how to speculate (generate()'s keyword arguments)."""
     model_config = ConfigDict(extra="forbid")
-    method: Literal[METHODS] | None = None          # default: the server's --method
+    method: Literal[(AUTO, *METHODS)] | None = None  # default: the server's --method
     top_k: int = Field(0, ge=0)
     gamma: int | None = Field(None, ge=1, le=64)
     tree: bool = False
@@ -103,6 +110,17 @@ def _error(message: str, param: str | None = None, code: str | None = None, stat
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def _answer(e: Exception) -> APIError:
+    """Any exception as the error a client gets: an InputError is a 400, anything else a 500 that names it."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InputError):
+        return APIError(400, str(e))
+    if isinstance(e, SpecrtError):
+        return APIError(500, str(e))
+    return APIError(500, f"the server failed on this request: {type(e).__name__}: {e} (its log has the details)")
+
+
 # ---- text with stop strings ----------------------------------------------------------------------------------------
 
 
@@ -134,6 +152,11 @@ def _finish(stop_reason: str | None) -> str:
     return "stop" if stop_reason == "eos" else "length"
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: this request was not finished; send it again to a running "
+                         "server", code="server_shutting_down")
+
+
 # ---- the scheduler -------------------------------------------------------------------------------------------------
 
 
@@ -148,6 +171,8 @@ class Job:
     put: Callable
     gone: threading.Event = field(default_factory=threading.Event)   # the request has ended: free its rows
     texts: list = field(default_factory=list)
+    arrived: float = 0.0               # when the scheduler got it (time.perf_counter())
+    latency: list = field(default_factory=list)   # a Latency per sequence
 
     @property
     def key(self):
@@ -160,34 +185,77 @@ class Job:
         return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
 
 
+@dataclass
+class Latency:
+    """When a sequence's tokens were handed out: time to the first, and the gaps between hand-outs."""
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    max_gap: float = 0.0
+
+    def handed(self, now: float, n: int) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            self.max_gap = max(self.max_gap, now - self.last)
+        self.last, self.tokens = now, self.tokens + n
+
+    def stats(self, arrived: float) -> dict:
+        """ttft_s (from its arrival at the scheduler); the inter-token latency after the first token: its mean
+        per token and the largest gap between two hand-outs."""
+        more = self.tokens > 1 and self.last > self.first
+        return {"ttft_s": None if self.first is None else self.first - arrived,
+                "itl_mean_s": (self.last - self.first) / (self.tokens - 1) if more else None,
+                "itl_max_s": self.max_gap if more else None}
+
+
 class Scheduler:
     """The one thread that touches the engines: admits waiting jobs into the running batch at round boundaries,
-    runs rounds, hands each job its new tokens and retires finished rows."""
+    runs one prefill chunk of the oldest joining job and one round of the live rows in turn, hands each job its
+    new tokens and retires finished rows."""
 
     def __init__(self, gen: Generator, capacity: int, measure: bool = False):
         self.gen, self.capacity, self.measure = gen, capacity, measure
         self.waiting: collections.deque[Job] = collections.deque()
         self.ready = threading.Condition()
         self.batch: Batch | None = None
-        self.key = None
-        self.closing = False
+        self.key = None                      # the options of the running batch, or of the next one to make
+        self.deadline: float | None = None   # stopping: when the requests still running end (time.monotonic())
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if job.copies > self.capacity:   # it could never join: it would hold up every request behind it
+            raise InputError(f"{job.copies} sequences in one request: the batch holds {self.capacity}")
         with self.ready:
+            if self.stopped:
+                job.put(_shutting_down())
+                return
+            job.arrived = time.perf_counter()
             self.waiting.append(job)
             self.ready.notify()
 
-    def close(self) -> None:
+    def stop(self, grace: float) -> None:
+        """Shut down: the requests running or waiting get `grace` seconds to finish, then end with an error; the
+        thread ends once none is left."""
         with self.ready:
-            self.closing = True
+            deadline = time.monotonic() + grace
+            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
             self.ready.notify()
+
+    def close(self) -> None:
+        self.stop(0)
         self.thread.join(timeout=30)
 
     @property
     def live(self) -> int:
         return self.batch.run.batch if self.batch is not None else 0
+
+    @property
+    def taken(self) -> int:
+        """The batch's rows that are live or held by joining jobs."""
+        return self.batch.taken if self.batch is not None else 0
 
     def _loop(self) -> None:
         torch.set_num_threads(1)   # the loop's own tensors are small (the engines keep their thread pools)
@@ -198,34 +266,31 @@ class Scheduler:
                 self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
             with self.ready:
-                while not self.closing and not self.waiting and not self.live:
+                while self.deadline is None and not self.waiting and not self.taken:
                     self.ready.wait()
-                if self.closing:
+                if self.deadline is not None and (time.monotonic() >= self.deadline or
+                                                  not self.waiting and not self.taken):
+                    self._end_all()
                     return
                 admit = self._admissible()
-            for job in admit:
-                self._admit(job)
-            if self.live:
-                try:
+            try:
+                for job in admit:
+                    self._admit(job)
+                if self.batch is not None and self.batch.prefill() is not None:   # its first tokens now
+                    self._dispatch()
+                if self.live:
                     self.batch.step()
-                except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
-                    log.exception("a round failed; its requests are answered with the error")
-                    for job in {row.owner[0] for row in self.batch.run.rows}:
-                        job.put(e)
-                    self.batch = None
-                    continue
-            self._dispatch()
+                    self._dispatch()
+            except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
+                log.exception("a round failed; its requests are answered with the error")
+                self._fail(e)
 
     def _admissible(self) -> list[Job]:
         """Waiting jobs that join now: from the oldest, while they match the batch and fit. Once a batch has
-        drained, the oldest waiting job's options decide the next (the same batch when they match it)."""
-        if not self.live and self.waiting:
-            first = self.waiting[0]
-            if self.batch is not None and (first.key != self.key or first.copies > self.batch.run.capacity):
-                self.batch, self.key = None, None
-        admit = []
-        free = (self.batch.run.capacity if self.batch is not None else
-                max(self.capacity, self.waiting[0].copies if self.waiting else 0)) - self.live
+        drained (or failed), the oldest waiting job's options decide the next (the same batch when they match)."""
+        if not self.taken and self.waiting and self.waiting[0].key != self.key:
+            self.batch, self.key = None, None
+        admit, free = [], self.capacity - self.taken
         while self.waiting and self.waiting[0].copies <= free and self.key in (None, self.waiting[0].key):
             job = self.waiting.popleft()
             if job.gone.is_set():
@@ -235,28 +300,49 @@ class Scheduler:
         return admit
 
     def _admit(self, job: Job) -> None:
+        """The job queues to join the batch (a new one if none runs); its prefill passes come between rounds. A
+        request the batch refuses is answered with the error (an InputError is a 400) and leaves nothing behind."""
         o = job.options
         try:
             if self.batch is None:
-                self.batch = self.gen.batch(max(self.capacity, job.copies), method=o["method"],
-                                            temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"],
-                                            seed=o["seed"], gamma=o["gamma"], tree=o["tree"], adaptive=o["adaptive"])
+                self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
+                                            top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
+                                            tree=o["tree"], adaptive=o["adaptive"])
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
-            self.batch.add(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
-                           copies=job.copies)
-        except Exception as e:   # noqa: BLE001 -- answered to the request (an InputError is a 400)
+            job.latency = [Latency() for _ in range(job.copies)]
+            self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
+                            copies=job.copies)
+        except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
+
+    def _fail(self, e: Exception) -> None:
+        """A round failed: every request of the batch is answered with the error, its rows are let go; the next
+        batch is made afresh (for the waiting requests, or for the rest of this round's admissions)."""
+        if self.batch is not None:
+            joining = [o for j in self.batch.joining for o in j.owners]
+            for job in {owner[0] for owner in [row.owner for row in self.batch.run.rows] + joining}:
+                job.put(e)
+        self.batch = None
+
+    def _end_all(self) -> None:
+        """Stopped: the requests still running or waiting end with an error."""
+        e = _shutting_down()
+        self._fail(e)
+        while self.waiting:
+            self.waiting.popleft().put(e)
+        self.stopped = True
 
     def _dispatch(self) -> None:
         """New tokens to their jobs; rows of jobs that have gone are cancelled; finished rows retired."""
         batch = self.batch
         if batch is None:
             return
-        run = batch.run
+        run, now = batch.run, time.perf_counter()
         for b, row in enumerate(run.rows):
             job, index = row.owner
             ids = run.new_tokens(b)
             if ids:
+                job.latency[index].handed(now, len(ids))
                 job.put(("tokens", index, ids, job.texts[index].feed(ids)))
         batch.cancel(lambda owner: owner[0].gone.is_set())
         for row, tokens in batch.retire():
@@ -264,7 +350,8 @@ class Scheduler:
             if row.stop_reason == "cancelled":
                 log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
                          "string)", len(tokens))
-            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds()}
+            stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
+                     **job.latency[index].stats(job.arrived)}
             job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
@@ -274,19 +361,22 @@ class Scheduler:
 class Server:
     """One generator, its scheduler, the answers."""
 
-    def __init__(self, gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8):
+    def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8):
         self.gen, self.model_name = gen, model_name
-        self.methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
+        self.methods = [AUTO] + [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
         if max_batch < 1:
             raise InputError(f"max batch {max_batch}: must be at least 1")
         self.method = method
-        if gen.has(method):   # the default method's drafter now (its load errors too), the others at first use
-            getattr(gen, method)
+        greedy = gen.method_for(method, greedy=True)[0]   # what the default runs for greedy requests
+        if gen.has(greedy):   # its drafter now (its load errors too), the others at first use
+            getattr(gen, greedy)
         self.max_len = gen.max_len
+        # the most characters a prompt that fits can have: every token covers at most the longest token's
+        self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.scheduler = Scheduler(gen, max_batch, measure=method != "autoregressive")
+        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive")
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
@@ -301,6 +391,15 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist: this server serves {self.model_name!r}", "model",
                            "model_not_found")
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """A text that cannot fit the model's sequence length even in the tokenizer's longest tokens is refused
+        before it is tokenized (the one tokenizer thread is not held up by a huge prompt)."""
+        if self.token_chars is not None and chars > self.max_len * self.token_chars:
+            raise APIError(400, f"{param}: {chars} characters do not fit the model's maximum sequence length "
+                                f"{self.max_len} (at most {self.max_len * self.token_chars} characters: "
+                                f"{self.token_chars} a token at the most): shorten it", param,
+                           "context_length_exceeded")
 
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -330,6 +429,8 @@ class Server:
 
     def options(self, req: _Request, ids: list[int], param: str, max_tokens: int | None) -> dict:
         """generate()'s keyword arguments for a request whose prompt is `ids`."""
+        if not ids:
+            raise APIError(400, f"{param}: empty: it gives no token to start from; send some text", param)
         if len(ids) >= self.max_len:
             raise APIError(400, f"{param}: {len(ids)} tokens do not fit the model's maximum sequence length "
                                 f"{self.max_len} (with room for one new token): shorten it", param,
@@ -340,10 +441,15 @@ class Server:
                            "specrt.method")
         if req.n > 1 and req.stream:
             raise APIError(400, f"n {req.n}: a stream gives one choice; ask for n=1 or stream=false", "n")
+        if req.n > self.scheduler.capacity:
+            raise APIError(400, f"n {req.n}: this server decodes at most {self.scheduler.capacity} sequences at once "
+                                f"(--max-batch {self.scheduler.capacity}): ask for n <= {self.scheduler.capacity} in "
+                                "each request, or serve with a larger --max-batch", "n")
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
-                    method=method, gamma=req.specrt.gamma, tree=req.specrt.decoding.tree, adaptive=req.specrt.decoding.adaptive)
+                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
+                    adaptive=req.specrt.adaptive)
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
@@ -364,7 +470,7 @@ class Server:
             while ended < copies:
                 event = await queue.get()
                 if isinstance(event, Exception):
-                    raise event
+                    raise _answer(event)   # the scheduler has logged where it came from
                 ended += event[0] == "end"
                 yield event
         finally:
@@ -409,7 +515,7 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": options["method"], "choices": [ends[i][1] for i in range(req.n)]}}
+                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": ends[0][1]["method"], "choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         if req.stream:
@@ -481,8 +587,9 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
             piece = await anext(pieces)
         if include_usage:
             yield event([], _usage(ids, count))
-    except SpecrtError as e:
-        yield f"data: {json.dumps(_error(str(e), status=500))}\n\n"
+    except Exception as e:   # noqa: BLE001 -- any error ends the stream with an error chunk, then [DONE]
+        e = _answer(e)
+        yield f"data: {json.dumps(_error(e.message, e.param, e.code, e.status))}\n\n"
     finally:
         await pieces.aclose()
     yield "data: [DONE]\n\n"
@@ -491,7 +598,7 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
 # ---- the app -------------------------------------------------------------------------------------------------------
 
 
-def create_app(gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8) -> FastAPI:
+def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8) -> FastAPI:
     server = Server(gen, model_name, method, max_batch)
 
     @asynccontextmanager
@@ -502,17 +609,11 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
     app = FastAPI(title="specrt", lifespan=lifespan)
     app.state.server = server
 
+    @app.exception_handler(Exception)   # APIError, InputError (400), any other (500): an OpenAI error object
     @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return e.response()
-
-    @app.exception_handler(InputError)
-    async def input_error(request: Request, e: InputError):
-        return JSONResponse(_error(str(e)), status_code=400)
-
     @app.exception_handler(SpecrtError)
-    async def specrt_error(request: Request, e: SpecrtError):
-        return JSONResponse(_error(str(e), status=500), status_code=500)
+    async def error(request: Request, e: Exception):
+        return _answer(e).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -543,12 +644,17 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         server.check_model(req.model)
+        if isinstance(req.prompt, str):
+            server.check_chars(len(req.prompt), "prompt")
         ids = await server.call(server.completion_ids, req.prompt)
         return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
         server.check_model(req.model)
+        server.check_chars(sum(len(m.role) + (len(m.content) if isinstance(m.content, str) else
+                                              sum(len(p.text) for p in m.content or [])) for m in req.messages),
+                           "messages")
         ids = await server.call(server.chat_ids, req.messages)
         return await server.answer(req, ids, server.options(req, ids, "messages",
                                                             req.max_completion_tokens or req.max_tokens), chat=True)
@@ -557,12 +663,26 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
 
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          method: str = "autoregressive", device: str = "auto", threads: int | None = None,
-          max_batch: int = 8) -> None:
-    """Load ENGINES and serve them until interrupted."""
-    import uvicorn
-    gen = Generator.from_engines(engines, device=device, threads=threads)
+          method: str = AUTO, device: str = "auto", threads: int | None = None,
+          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
+    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
-    uvicorn.run(app, host=host, port=port, log_config=logs)
+    # uvicorn's own limit, should a request not end when the scheduler ends it
+    config = uvicorn.Config(app, host=host, port=port, log_config=logs, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    _Uvicorn(config, app.state.server).run()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, whose shutdown (it waits for the running requests) first tells the scheduler to end them
+    within SHUTDOWN_GRACE_S."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.specrt = server
+
+    async def shutdown(self, sockets=None) -> None:
+        self.specrt.scheduler.stop(SHUTDOWN_GRACE_S)
+        await super().shutdown(sockets)
