@@ -34,7 +34,7 @@ PRESETS = {   # transformers LlamaConfig fields
     "1.1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),   # TinyLlama-1.1B's shape
 }
-PROMPTS, NEW_TOKENS, MAX_SEQ_LEN = 3, 32, 256
+NEW_TOKENS, MAX_SEQ_LEN = 32, 256
 PEAK_LIMIT = 2.5   # x the float32 weights, for export and build, checked from LIMIT_FROM_GB of weights on (below,
 LIMIT_FROM_GB = 4.0   # the interpreter and libraries, about 0.5 GB, are a large part of a small model's peak)
 
@@ -143,8 +143,11 @@ def run_check(preset: str, work: Path, cuda: bool = False, keep: bool = False, l
     py, me = sys.executable, "specrt.measurement.large"
     specrt = [py, "-m", "specrt.cli"]
     checkpoint = work / f"llama-{preset}"
-    params = make_checkpoint(checkpoint, preset) if (checkpoint / "config.json").is_file() else \
-        measured([py, "-m", me, "--step", "checkpoint", "--preset", preset, "--work", str(work)])["output"]["parameters"]
+    if (checkpoint / "config.json").is_file():
+        params = make_checkpoint(checkpoint, preset)   # counted on the meta device, the weights are not read
+    else:   # in a process of its own: writing it takes the model's memory
+        made = measured([py, "-m", me, "--step", "checkpoint", "--preset", preset, "--work", str(work)])
+        params = made["output"]["parameters"]
     weights_gb = params * 4 / 1e9
     log(f"{preset}: {params / 1e9:.3f} B parameters, {weights_gb:.2f} GB in float32 ({checkpoint})")
     report = {"preset": preset, "shape": PRESETS[preset], "parameters": params, "float32_weights_gb": weights_gb,
