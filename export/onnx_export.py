@@ -59,7 +59,8 @@ def _placeholders(model: torch.nn.Module):
             if type(child) is torch.nn.Linear:
                 swapped.append((module, name, child))
                 setattr(module, name, _MatMulLinear(child))
-    real = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    real = {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
     params = [(m, n, p) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
     try:
         for m, n, p in params:
@@ -102,9 +103,11 @@ def export_module(model: torch.nn.Module, args: tuple, path: Path, dtype: str, i
             stored = f"{i.name}.{dtype}"
             bits = t.view(torch.int16).numpy()
             graph.graph.initializer.append(writer.add(stored, bits, STORED[dtype]))
-            casts.append(onnx.helper.make_node("Cast", [stored], [i.name], name=f"{i.name}/Cast", to=onnx.TensorProto.FLOAT))
+            casts.append(onnx.helper.make_node("Cast", [stored], [i.name], name=f"{i.name}/Cast",
+                                               to=onnx.TensorProto.FLOAT))
         else:
-            graph.graph.initializer.append(writer.add(i.name, t.float().numpy() if t.is_floating_point() else t.numpy()))
+            values = t.float().numpy() if t.is_floating_point() else t.numpy()
+            graph.graph.initializer.append(writer.add(i.name, values))
         del t
     kept = [i for i in graph.graph.input if i.name in input_names]
     del graph.graph.input[:]

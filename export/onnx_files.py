@@ -140,7 +140,9 @@ class WeightWriter:
         if elem_type is not None:
             t.data_type = elem_type
         _write(t, self.data)
-        return t
+        small = onnx.TensorProto()   # without the memory of the bytes `t` held (see _copy_over)
+        small.CopyFrom(t)
+        return small
 
 
 def stored_weights(model: onnx.ModelProto) -> str:

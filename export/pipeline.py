@@ -105,7 +105,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids, dtype)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
-            if src.gguf_file is not None:   # `specrt build --target-weights int4` reuses the file's blocks
+            if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
                 models[role]["gguf"] = {"path": str(src.gguf_file), "sha256": sha256_file(src.gguf_file)}
             if role == "target" and medusa is not None:
                 heads = load_heads(medusa, model)

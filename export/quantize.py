@@ -51,7 +51,8 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
     if gguf:
         counts, added = gguf_blocks(model, _gguf_file(spec["gguf"]), spec)
     inits = {t.name: t for t in model.graph.initializer}
-    standard = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in added and n.input[1] in inits]
+    standard = [n.name for n in model.graph.node
+                if n.op_type == "MatMul" and n.name not in added and n.input[1] in inits]
     if standard:   # MatMuls only: its int4 Gather needs opset 21, these graphs are opset 17
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=False,
                                  accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added),
