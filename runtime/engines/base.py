@@ -1,6 +1,7 @@
 """Engine backends. Every buffer is a torch tensor on the engine's device, bound to the session by pointer."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -56,6 +57,17 @@ def session_options(ort, spec: dict, threads: int | None):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED if built_for_cuda \
         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return options
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). A CPU session frees
+    each MatMul weight once its kernel has repacked it, but glibc keeps freed blocks of that size resident: 200 MB
+    of the SmolLM2 target's 560 (765 MB resident after loading, 561 after a trim)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):   # not glibc
+        return
+    trim(0)
 
 
 def providers(device: torch.device, spec: dict, **cuda_options: str) -> list:
@@ -124,6 +136,7 @@ class OrtEngine:
             weights.add_to(options, Path(path))
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
         check_providers(self.session, self.device)
+        trim_heap()
         self.layers = spec["layers"]
         self._buffers: dict[str, torch.Tensor] = {}
         self._cache: KVCache | None = None
@@ -285,6 +298,7 @@ class OrtHeads:
         options = session_options(ort, spec, threads)
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
         check_providers(self.session, self.device)
+        trim_heap()
         self.binding = self.session.io_binding()
         self.root_token = bool(spec.get("root_token"))
         self.sequential = bool(spec.get("sequential"))
