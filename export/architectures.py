@@ -1,21 +1,88 @@
-"""One declarative description per supported architecture (the registry the tests are generated from)."""
+"""One declarative description per supported architecture (the registry the tests are generated from).
+
+Each entry says how a transformers checkpoint of that `model_type` differs from the Llama decoder layer that
+export/model.py writes once; the sizes, the windows and the soft-caps are read from the config there
+(`args_from_config`). `architecture_of` refuses, by name, what the graph does not implement: an unregistered
+model type (a mixture of experts among them), a layer type other than full or sliding-window attention, an MLP
+activation it does not know, bidirectional attention.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from specrt.errors import UnknownSourceError
+
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")   # the MLP activations export/model.py implements
+LAYER_TYPES = ("full_attention", "sliding_attention")
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")   # config fields of a mixture of experts
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str                  # transformers `model_type`
     hf_class: str              # transformers class that holds the weights
-    qkv_bias: bool = False     # q/k/v projections carry a bias (Qwen2)
-    sliding_window_key: str | None = None  # config field that limits attention span, if any
+    windows: str = "none"      # layers that attend within config.sliding_window: "none", "all" (Mistral, Phi-3),
+    #                            or "layer_types": those config.layer_types marks "sliding_attention"
+    qk_norm: bool = False      # an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    fused_projections: bool = False  # qkv_proj [q; k; v] and gate_up_proj [gate; up] (Phi-3), split at load
+    norm_offset: float = 0.0   # RMSNorm scales by (norm_offset + weight): Gemma's (1 + weight), folded at load
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # a norm on the attention's output and norms before and after the MLP (Gemma)
+    query_scale_key: str | None = None  # config field s: scores scaled by s ** -0.5, not head_dim ** -0.5 (Gemma)
+    softcap: bool = False      # tanh soft-caps of attention scores and final logits, where the config sets them
+    local_rope: bool = False   # windowed layers rotate by their own rope parameters (Gemma 3)
+    act_key: str = "hidden_act"  # config field naming the MLP activation
 
 
 REGISTRY: dict[str, Architecture] = {
     a.name: a for a in (
         Architecture("llama", "LlamaForCausalLM"),
-        Architecture("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
-        Architecture("mistral", "MistralForCausalLM", sliding_window_key="sliding_window"),
+        Architecture("qwen2", "Qwen2ForCausalLM", windows="layer_types"),
+        Architecture("mistral", "MistralForCausalLM", windows="all"),
+        Architecture("qwen3", "Qwen3ForCausalLM", windows="layer_types", qk_norm=True),
+        Architecture("gemma2", "Gemma2ForCausalLM", windows="layer_types", norm_offset=1.0, embed_scale=True,
+                     sandwich_norms=True, query_scale_key="query_pre_attn_scalar", softcap=True,
+                     act_key="hidden_activation"),
+        Architecture("gemma3_text", "Gemma3ForCausalLM", windows="layer_types", qk_norm=True, norm_offset=1.0,
+                     embed_scale=True, sandwich_norms=True, query_scale_key="query_pre_attn_scalar", softcap=True,
+                     local_rope=True, act_key="hidden_activation"),
+        Architecture("phi3", "Phi3ForCausalLM", windows="all", fused_projections=True),
     )
 }
+
+
+def architecture_of(config, name: str = "the model") -> Architecture:
+    """The registry entry of a transformers config; UnknownSourceError naming what is not implemented."""
+    arch = REGISTRY.get(config.model_type)
+    experts = next((f"{k} = {getattr(config, k)}" for k in EXPERTS if getattr(config, k, None)), None)
+    if arch is None:
+        what = f" (a mixture of experts, {experts}: not implemented)" if experts else ""
+        raise UnknownSourceError(f"{name} is a {config.model_type!r} model{what}; supported architectures: "
+                                 f"{', '.join(sorted(REGISTRY))}")
+    if experts:
+        raise UnknownSourceError(f"{name} is a {config.model_type!r} model with a mixture of experts ({experts}): "
+                                 "not implemented; export a dense model")
+    act = getattr(config, arch.act_key, "silu")
+    if act not in ACTIVATIONS:
+        raise UnknownSourceError(f"{name}: MLP activation {act!r} ({arch.act_key}) is not implemented; supported: "
+                                 f"{', '.join(ACTIVATIONS)}")
+    other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t not in LAYER_TYPES})
+    if other and arch.windows == "layer_types":
+        raise UnknownSourceError(f"{name}: layer type {other[0]!r} is not implemented (supported: "
+                                 f"{', '.join(LAYER_TYPES)})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnknownSourceError(f"{name}: use_bidirectional_attention (an encoder) is not implemented; specrt "
+                                 "exports causal language models")
+    return arch
+
+
+def layer_windows(config, arch: Architecture) -> tuple[int, ...]:
+    """Per layer, the positions each query attends to (itself and the W - 1 before it); 0: the whole prefix."""
+    W = getattr(config, "sliding_window", None) or 0
+    layers = config.num_hidden_layers
+    if arch.windows == "none" or not W:
+        return (0,) * layers
+    if arch.windows == "all":
+        return (W,) * layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return tuple(W if t == "sliding_attention" else 0 for t in types[:layers])

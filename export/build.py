@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from specrt.errors import BackendError
@@ -20,10 +22,20 @@ def tensorrt_available() -> bool:
 
 
 def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
+    """ONNX Runtime's graph optimisations, saved: the graph `engine`, its weights in `engine`.data (see
+    specrt.export.onnx_files)."""
     import onnxruntime as ort
+
+    from specrt.export.onnx_files import MIN_EXTERNAL, data_path
+    data_path(engine).unlink(missing_ok=True)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(engine)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                     data_path(engine).name)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                     str(MIN_EXTERNAL))
+    options.add_session_config_entry("session.disable_prepacking", "1")   # it only writes the graph: no packed copy
     if threads:
         options.intra_op_num_threads = threads
     ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
@@ -47,9 +59,10 @@ def quantize_int8(graph: Path, out: Path) -> int:
     the bytes (`exact_block_gathers`); returns how many."""
     import logging
 
-    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    nodes = onnx.load(str(graph), load_external_data=False).graph.node
+
+    from specrt.export import onnx_files
+    nodes = onnx_files.load(graph, weights=False).graph.node
     keep = [n.name for n in nodes if n.op_type == "MatMul" and "down_proj" in n.name]
     root = logging.getLogger()
     level = root.level
@@ -57,7 +70,7 @@ def quantize_int8(graph: Path, out: Path) -> int:
     try:
         quantize_dynamic(graph, out, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                          per_channel=True, reduce_range=True, nodes_to_exclude=keep,
-                         extra_options={"MatMulConstBOnly": True})
+                         extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
     finally:
         root.setLevel(level)
     return exact_gathers_file(out, out)
@@ -65,13 +78,12 @@ def quantize_int8(graph: Path, out: Path) -> int:
 
 def exact_gathers_file(graph: Path, out: Path) -> int:
     """`exact_block_gathers` on a graph file, written to `out` where it rewrote any Gather; returns how many."""
-    import onnx
-
+    from specrt.export import onnx_files
     from specrt.export.quantize import exact_block_gathers
-    model = onnx.load(str(graph))
-    gathers = exact_block_gathers(model)
+    model = onnx_files.load(graph, weights=False)
+    gathers = exact_block_gathers(model, graph.parent)
     if gathers:
-        onnx.save(model, str(out))
+        onnx_files.save(model, out, graph.parent)
     return gathers
 
 
@@ -116,7 +128,7 @@ TARGET_WEIGHTS = ("float32", "int8", "int4")
 
 def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafter_weights: str = "int8",
           device: str = "cpu", dtype: str | None = None, widths: tuple[int, ...] = WIDTHS,
-          target_weights: str = "float32", fuse: bool = True) -> dict:
+          target_weights: str = "float32", fuse: bool = True, memory_limit: float | None = None) -> dict:
     """Build every model of the engine set; each engine file is written beside its final name and renamed
     only when complete, and the manifest is updated atomically at the end. `drafter_weights` "int8" quantizes
     the draft model's and the Medusa heads' ONNX Runtime engines (see `quantize_int8`). `target_weights`
@@ -124,7 +136,9 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     the target verifies every token, so the output is the quantized target's own. `device` "cuda" builds ONNX
     Runtime engines for the CUDA provider instead (see `specrt.export.cuda_build`: `dtype` weights and compute,
     static-shape target graphs for `widths`). `fuse` rewrites the ONNX Runtime CPU engines of the target and the
-    drafters with a decoder graph (draft, eagle) into fewer, fused nodes (see `specrt.export.fuse`)."""
+    drafters with a decoder graph (draft, eagle) into fewer, fused nodes (see `specrt.export.fuse`). A build that
+    would not fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused
+    before it starts."""
     if drafter_weights not in ("int8", "float32"):
         raise BackendError(f"drafter weights {drafter_weights!r}: expected 'int8' or 'float32'")
     if target_weights not in TARGET_WEIGHTS:
@@ -135,6 +149,8 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     dtype = resolve_dtype(device, dtype)
     directory = Path(directory)
     manifest = read_manifest(directory)
+    if memory_limit != float("inf"):
+        _check_memory(directory, manifest, "cuda" if device == "cuda" else target_weights, memory_limit)
     if device == "cuda":
         if backend == "tensorrt":
             raise BackendError("--device cuda builds ONNX Runtime engines; TensorRT engines are built without "
@@ -158,53 +174,69 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
     return manifest
 
 
+def _check_memory(directory: Path, manifest: dict, kind: str, limit: float | None) -> None:
+    """Refuse, before any work, a build whose largest model will not fit (the models are built one at a time)."""
+    from specrt.export import memory
+    sizes = [(memory.graph_float32_bytes(directory / spec["graph"]["file"]), role)   # checked when built
+             for role, spec in manifest["models"].items()]
+    size, role = max(sizes)
+    kind = kind if role == "target" else "float32"
+    advice = "Build with --target-weights int4 (about " \
+        f"{memory.build_need(size, 'int4') / memory.GB:.1f} GB)" if kind == "float32" and role == "target" \
+        else "Use a machine with more memory"
+    memory.check(f"building the {role} of {directory}", memory.build_need(size, kind),
+                 f"{size / memory.GB:.1f} GB of float32 weights, {kind} engine", limit, advice)
+
+
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
                 target_weights: str = "float32", fuse: bool = False) -> dict:
+    """Build one model's engine in a scratch directory beside the set (every step writes a graph and its data file
+    there), then move the engine and its data file into place."""
+    from specrt.export.onnx_files import data_path, float32_file, remove
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
     engine = directory / f"{role}{suffix}"
-    partial = directory / f".{role}{suffix}.partial"
-    quantized = directory / f".{role}.quantized.partial"
-    fused = directory / f".{role}.fused.partial"
-    weights = spec.get("dtype", "float32")
-    extra = {}
-    try:
+    weights, extra = "float32", {}
+    for stale in directory.glob(f".{role}.build-*"):   # left by a killed build
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f".{role}.build-", dir=directory) as scratch:
+        work = Path(scratch)
+        built = work / engine.name
         if backend == "tensorrt" and role != "medusa":
-            build_tensorrt(graph, partial, spec["max_seq_len"])
+            build_tensorrt(graph, built, spec["max_seq_len"])
             weights = TENSORRT_WEIGHTS
         else:
-            source = graph
+            source = float32_file(graph, work / "float32.onnx")   # the graph itself if exported in float32
             if role == "target" and target_weights != "float32":
                 from specrt.export.quantize import quantize_target
-                extra["quantized"] = quantize_target(graph, quantized, spec, target_weights)
+                extra["quantized"] = quantize_target(source, work / "quantized.onnx", spec, target_weights)
                 extra["activations"] = "int8"   # per token and block: trees verify as chains (see Generator)
-                source, weights = quantized, target_weights
+                source, weights = work / "quantized.onnx", target_weights
             elif role in DRAFTER_ROLES and drafter_weights == "int8":
-                if quantize_int8(graph, quantized):
+                if quantize_int8(source, work / "quantized.onnx"):
                     extra["embedding"] = "int8 blocks (exact)"
-                source, weights = quantized, "int8"
-            elif role == "target" and exact_gathers_file(graph, quantized):   # the GGUF file's Q8_0 embedding
+                source, weights = work / "quantized.onnx", "int8"
+            elif role == "target" and exact_gathers_file(source, work / "gathers.onnx"):   # a GGUF Q8_0 embedding
                 extra["embedding"] = "int8 blocks (exact)"
-                source = quantized
+                source = work / "gathers.onnx"
             if role in FUSED_ROLES and fuse:
-                extra["fused"] = fuse_file(source, fused, spec)
-                source = fused
-            build_ort(source, partial)
-        os.replace(partial, engine)
-    finally:
-        for path in (partial, quantized, fused):
-            path.unlink(missing_ok=True)
+                extra["fused"] = fuse_file(source, work / "fused.onnx", spec)
+                source = work / "fused.onnx"
+            build_ort(source, built)
+        remove(engine)   # the old engine and its data file
+        for f in (built, data_path(built)):
+            if f.exists():
+                os.replace(f, directory / f.name)
     return {**file_entry(directory, engine.name), "weights": weights,
             "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
 
 
 def fuse_file(graph: Path, out: Path, spec: dict) -> dict:
     """Write `graph` rewritten into fewer, fused ONNX Runtime nodes to `out`; return what was fused."""
-    import onnx
-
+    from specrt.export import onnx_files
     from specrt.export.fuse import fuse_graph
-    model, counts = fuse_graph(onnx.load(str(graph)), spec)
-    onnx.save(model, str(out))
+    model, counts = fuse_graph(onnx_files.load(graph, weights=False), spec, graph.parent)
+    onnx_files.save(model, out, graph.parent)   # what was not rewritten is copied from graph's data file
     return counts
 
 

@@ -53,19 +53,27 @@ def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, .
 
 
 def _build_model(directory: Path, role: str, spec: dict, graph: Path, dtype: str, widths, staged) -> dict:
+    """The graphs are read without their weights, which stay in their data file: each variant is optimised by
+    ONNX Runtime from a file beside that data, so one variant's weights at a time are in memory."""
+    from specrt.export.onnx_files import float32_file, load
     weights = _SharedWeights(directory, f"{role}.cuda.weights", staged)
-    dynamic = onnx.load(str(graph))
-    files = {"engine": weights.save(_prepare(dynamic, dtype), f"{role}.cuda.onnx")}
-    for w in widths:
-        files[str(w)] = weights.save(_prepare(static_graph(dynamic, w, spec), dtype), f"{role}.w{w}.cuda.onnx")
+    with tempfile.TemporaryDirectory(prefix=f".{role}.cuda-", dir=directory) as scratch:
+        source = float32_file(graph, Path(scratch) / "float32.onnx")   # the graph itself if exported in float32
+        dynamic = load(source, weights=False)
+        files = {"engine": weights.save(_prepare(dynamic, dtype, source.parent), f"{role}.cuda.onnx")}
+        for w in widths:
+            files[str(w)] = weights.save(_prepare(static_graph(dynamic, w, spec), dtype, source.parent),
+                                         f"{role}.w{w}.cuda.onnx")
     weights.close()
-    return {"files": files, "weights_file": weights.name, "dtype": dtype, "widths": [str(w) for w in widths]}
+    return {"files": files, "dtype": dtype, "widths": [str(w) for w in widths]}
 
 
 def _entry(directory: Path, e: dict) -> dict:
+    """The engine graph's entry lists the shared weights file ("data"), which the runtime checks when it loads the
+    engine; the width graphs refer to the same file."""
     return {**file_entry(directory, e["files"]["engine"]), "weights": e["dtype"], "backend": "onnxruntime",
-            "device": "cuda", "dtype": e["dtype"], "weights_file": file_entry(directory, e["weights_file"]),
-            "widths": {w: file_entry(directory, e["files"][w]) for w in e["widths"]}}
+            "device": "cuda", "dtype": e["dtype"],
+            "widths": {w: file_entry(directory, e["files"][w], data=False) for w in e["widths"]}}
 
 
 def static_graph(model: onnx.ModelProto, width: int, spec: dict) -> onnx.ModelProto:
@@ -98,22 +106,35 @@ def _set_dims(io: onnx.ValueInfoProto, dims: list[int]) -> None:
         shape.dim.add().dim_value = d
 
 
-def _prepare(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
-    """Fold what the shapes allow (float32, provider-independent), then convert to `dtype`."""
-    return to_dtype(_optimize_basic(model), dtype)
+def _prepare(model: onnx.ModelProto, dtype: str, base: Path) -> onnx.ModelProto:
+    """Fold what the shapes allow (float32, provider-independent), then convert to `dtype`. `base`: the directory
+    of the external data `model` refers to."""
+    return to_dtype(_optimize_basic(model, base), dtype)
 
 
-def _optimize_basic(model: onnx.ModelProto) -> onnx.ModelProto:
+def _optimize_basic(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
     """ONNX Runtime's basic level (constant folding, shapes included where static; provider-independent) on
-    the inlined graph. The result has no functions left: the dtype conversion sees every node."""
+    the inlined graph, read from a file in `base` (where its weights are) and written with external data (any
+    size). The result, weights loaded, has no functions left: the dtype conversion sees every node."""
     import onnxruntime as ort
+
+    from specrt.export.onnx_files import MIN_EXTERNAL, load
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
-    with tempfile.TemporaryDirectory() as tmp:
-        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return onnx.load(options.optimized_model_filepath)
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                     str(MIN_EXTERNAL))
+    with tempfile.TemporaryDirectory(dir=base, prefix=".optimize-") as tmp:
+        graph = Path(base) / f"{Path(tmp).name}.onnx"   # beside the data its tensors refer to
+        try:
+            onnx.save(model, str(graph))
+            options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+            ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        finally:
+            graph.unlink(missing_ok=True)
+        return load(Path(options.optimized_model_filepath))
 
 
 def to_dtype(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
@@ -123,9 +144,16 @@ def to_dtype(model: onnx.ModelProto, dtype: str) -> onnx.ModelProto:
     if dtype == "float32":
         return model
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
-    originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+
+    from specrt.export.onnx_files import infer_shapes
+    originals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                 if t.data_type == TensorProto.FLOAT} if dtype == "bfloat16" else {}
     ops, names = [*DEFAULT_OP_BLOCK_LIST, *FLOAT32_OPS], _norm_tails(model)
-    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32, op_block_list=ops, node_block_list=names)
+    shapes = infer_shapes(model).graph.value_info   # on the structure: the converter's own serializes the weights
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(shapes)
+    model = convert_float_to_float16(model, keep_io_types=KEPT_FLOAT32, disable_shape_infer=True, op_block_list=ops,
+                                     node_block_list=names)
     _no_round_trips(model, set(ops), set(names))
     if dtype == "bfloat16":
         _float16_to_bfloat16(model, originals)

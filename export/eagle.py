@@ -21,7 +21,6 @@ back. Filling a -inf row of the whole vocabulary and scattering into it took a q
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from specrt.errors import InputError
-from specrt.export.model import Block, SpecModel, full_vocab, rotate_half
+from specrt.export.model import Block, SpecModel, full_vocab, plain_layers, rope
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
@@ -41,7 +40,7 @@ class EagleModel(nn.Module):
 
     def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1):
         super().__init__()
-        a = self.args = replace(target.args, num_layers=num_layers)
+        a = self.args = replace(plain_layers(target.args), num_layers=num_layers)
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
         self.layers = nn.ModuleList(Block(a) for _ in range(num_layers))
         self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
@@ -56,13 +55,18 @@ class EagleModel(nn.Module):
         self.register_buffer("vocab_index", index)
         self.register_buffer("rope_cos", target.rope_cos, persistent=False)  # (Smax, D)
         self.register_buffer("rope_sin", target.rope_sin, persistent=False)  # (Smax, D)
+        self.fc_t = None   # at export: fc's two halves transposed, each a parameter (see export_eagle)
 
     def fuse(self, features, input_ids):
         """[f; e(x)] -> d, as two MatMuls (an int8 engine quantizes each input with its own scale: the features'
         outliers would otherwise leave the embeddings a few levels, as with the Medusa heads)."""
         d = self.args.hidden_size
-        w = self.fc.weight                                                      # (d, 2d)
-        return features @ w[:, :d].T + self.embed_tokens(input_ids) @ w[:, d:].T + self.fc.bias  # (B, S, d)
+        if self.fc_t is None:
+            w = self.fc.weight                                                  # (d, 2d)
+            w_features, w_tokens = w[:, :d].T, w[:, d:].T                       # (d, d) each
+        else:                                                                   # at export (see export_eagle)
+            w_features, w_tokens = self.fc_t
+        return features @ w_features + self.embed_tokens(input_ids) @ w_tokens + self.fc.bias  # (B, S, d)
 
     def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, features, *caches):
         hidden = self.fuse(features, input_ids)                                 # (B, S, d)
@@ -94,7 +98,7 @@ class EagleModel(nn.Module):
             q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
             k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
             v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -168,12 +172,10 @@ def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
     return model.eval()
 
 
-def export_eagle(model: EagleModel, path: Path) -> None:
-    """torch.onnx (TorchScript tracer, one TreeAttention node), then the op's function attached."""
-    import onnx
-
-    from specrt.export.onnx_export import cache_names
-    from specrt.plugins.tree_attention import attach_function
+def export_eagle(model: EagleModel, path: Path, dtype: str = "float32") -> None:
+    """The drafter's graph (see `specrt.export.onnx_export.export_module`: one TreeAttention node, the weights as
+    external data in `dtype`)."""
+    from specrt.export.onnx_export import cache_names, export_module
     a = model.args
     B, S = 1, 3
     caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * a.num_layers)]
@@ -187,9 +189,10 @@ def export_eagle(model: EagleModel, path: Path) -> None:
            "hidden": {0: "B", 1: "S"}}
     dyn.update({n: {0: "B", 2: "cache_len"} for n in cache_in})
     dyn.update({n: {0: "B", 2: "S"} for n in cache_out})
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, input_names=inputs,
-                          output_names=["logits", "hidden", *cache_out], dynamic_axes=dyn,
-                          do_constant_folding=True, custom_opsets={"specrt": 1})
-    onnx.save(attach_function(onnx.load(str(path))), str(path))
+    d = a.hidden_size
+    w = model.fc.weight.detach()
+    model.fc_t = nn.ParameterList([w[:, :d].T, w[:, d:].T])   # fc's halves, read directly by their MatMuls
+    try:
+        export_module(model, args, path, dtype, inputs, ["logits", "hidden", *cache_out], dyn)
+    finally:
+        model.fc_t = None

@@ -4,7 +4,8 @@
 - RMSNorm -> `SimplifiedLayerNormalization`; a residual Add before it -> `com.microsoft::SkipSimplifiedLayerNormalization`
   (which also gives the sum, the residual stream).
 - RoPE (x*cos + rotate_half(x)*sin on [B,H,S,D]) -> `com.microsoft::RotaryEmbedding` on the projection's [B,S,H*D]
-  output, with the position ids and the first half of the cos/sin tables.
+  output, with the position ids and the first half of the cos/sin tables (on x itself, in the op's 4D form, where
+  x is normed per head first or is the rotated part of a partial rotary).
 - Projections of one input (q/k/v, gate/up) -> one MatMul (or `MatMulNBits`) over their weights side by side and a
   Split: fewer, larger kernels (a 4-bit target's pass at one token: 15.7 -> 10.5 ms). A Q4_1 target's block offset
   terms (see `specrt.export.quantize`) merge with their MatMuls.
@@ -12,7 +13,8 @@
   once per graph (ONNX Runtime inlines the function once per layer), and the reshapes in and around it take
   constant shapes ([0, 0, heads, head_dim]: 0 keeps a dimension), so no per-layer shape arithmetic is left. Each
   row's new keys and values go at its own past_len in the layer's attention columns (not after the longest row's
-  cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`).
+  cache, as in the function body), so a row of a batch rounds as it does alone (see `_shared_nodes`). Layers with a
+  sliding window share one more bias per window size (`_window_nodes`); a soft-cap adds its Div, Tanh, Mul.
 - The cache is written in place, not copied: each layer scatters the pass's new keys and values into the cache
   itself. The written caches are graph outputs (`k_cache_<i>` + `_written`); bound to the cache inputs' own
   buffers, as `OrtEngine` binds them, ONNX Runtime's ScatterElements writes the S new entries and copies nothing.
@@ -42,6 +44,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.engines.manifest import WRITTEN
+from specrt.export.onnx_files import array
 from specrt.plugins.tree_attention import DOMAIN, OP_TYPE
 
 MS = "com.microsoft"
@@ -50,8 +53,8 @@ MS = "com.microsoft"
 class _Graph:
     """Producers, consumers and constant values of a graph's tensors."""
 
-    def __init__(self, model: onnx.ModelProto):
-        self.g = model.graph
+    def __init__(self, model: onnx.ModelProto, base=None):
+        self.g, self.base = model.graph, base   # base: the directory of the weights not loaded (see onnx_files)
         self.producer = {o: n for n in self.g.node for o in n.output}
         self.consumers = defaultdict(list)
         for n in self.g.node:
@@ -65,7 +68,7 @@ class _Graph:
     def const(self, name: str) -> np.ndarray | None:
         identity = self.op(name, "Identity")   # the exporter shares equal weights through Identity nodes
         t = self.values.get(identity.input[0] if identity is not None else name)
-        return None if t is None else numpy_helper.to_array(t)
+        return None if t is None else array(t, self.base)
 
     def op(self, name: str, op_type: str):
         """The node that produces `name` if it is an `op_type`, else None."""
@@ -73,13 +76,14 @@ class _Graph:
         return n if n is not None and n.op_type == op_type else None
 
 
-def fuse_graph(model: onnx.ModelProto, spec: dict) -> tuple[onnx.ModelProto, dict]:
+def fuse_graph(model: onnx.ModelProto, spec: dict, base=None) -> tuple[onnx.ModelProto, dict]:
     """Rewrite `model` (an exported contract graph; its MatMuls may be quantized already) in place; return it and
-    the count of each fusion."""
+    the count of each fusion. `base`: the directory of its data file, if it was loaded without its weights (each is
+    read when a rewrite needs it)."""
     counts = Counter()
     for rewrite in (_merge_nbits, _merge_matmuls, _fuse_rope, _inline_attention, _fuse_norms):
         new_nodes, dead = [], set()
-        rewrite(_Graph(model), spec, new_nodes, dead, counts)
+        rewrite(_Graph(model, base), spec, new_nodes, dead, counts)
         _apply(model, new_nodes, dead)
     _prune(model)
     if counts["attention"]:
@@ -234,32 +238,37 @@ def _merge_matmuls(g: _Graph, spec: dict, new, dead, counts):
 
 def _fuse_rope(g: _Graph, spec: dict, new, dead, counts):
     """x*cos + rotate_half(x)*sin, x = Transpose(Reshape(p)) [B,n,S,D] -> RotaryEmbedding(p) [B,S,n*D], back to
-    [B,n,S,D] under the Add's name."""
+    [B,n,S,D] under the Add's name; any other x [B,n,S,D] (normed per head first: Qwen3, Gemma 3) ->
+    RotaryEmbedding(x) in its 4D form. Each pair of tables (Gemma 3 has two) becomes one pair of constants."""
     n = helper.make_node
-    tables, used = {}, None
+    tables, used = {}, {}
     for add in [a for a in g.g.node if a.op_type == "Add"]:
         found = _rope_source(g, add.output[0], tables)
-        if found is None or used not in (None, found[1:]):   # one pair of tables per graph
+        if found is None:
             continue
-        p, cos, sin = found
-        if used is None:
-            used = (cos, sin)
-            g.g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(tables[cos]), "fused/cos"),
-                                    numpy_helper.from_array(np.ascontiguousarray(tables[sin]), "fused/sin"),
-                                    _ints("fused/split_heads", [0, 0, -1, spec["head_dim"]])])
+        p, x, cos, sin = found
+        if (cos, sin) not in used:
+            k = used[cos, sin] = f"fused/cos{len(used) or ''}", f"fused/sin{len(used) or ''}"
+            g.g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(tables[cos]), k[0]),
+                                    numpy_helper.from_array(np.ascontiguousarray(tables[sin]), k[1])])
+            if len(used) == 1:
+                g.g.initializer.append(_ints("fused/split_heads", [0, 0, -1, spec["head_dim"]]))
         out, q = add.output[0], f"{add.name or add.output[0]}/fused/"
         dead.add(tuple(add.output))
-        new += [
-            n("RotaryEmbedding", [p, "position_ids", "fused/cos", "fused/sin"], [q + "rot"], domain=MS),  # (B, S, n*D)
-            n("Reshape", [q + "rot", "fused/split_heads"], [q + "bshd"]),                               # (B, S, n, D)
-            n("Transpose", [q + "bshd"], [out], perm=[0, 2, 1, 3]),                                     # (B, n, S, D)
-        ]
+        if p is None:
+            new.append(n("RotaryEmbedding", [x, "position_ids", *used[cos, sin]], [out], domain=MS))  # (B, n, S, D)
+        else:
+            new += [
+                n("RotaryEmbedding", [p, "position_ids", *used[cos, sin]], [q + "rot"], domain=MS),   # (B, S, n*D)
+                n("Reshape", [q + "rot", "fused/split_heads"], [q + "bshd"]),                        # (B, S, n, D)
+                n("Transpose", [q + "bshd"], [out], perm=[0, 2, 1, 3]),                              # (B, n, S, D)
+            ]
         counts["rotary"] += 1
 
 
 def _rope_source(g: _Graph, name: str, tables: dict):
-    """`name` = x*cos + rotate_half(x)*sin with x = Transpose(Reshape(p)), cos and sin gathered by position_ids
-    from constant tables whose two halves are equal -> (p, cos table, sin table), else None."""
+    """`name` = x*cos + rotate_half(x)*sin, cos and sin gathered by position_ids from constant tables whose two
+    halves are equal -> (p where x = Transpose(Reshape(p)) else None, x, cos table, sin table), else None."""
     add = g.op(name, "Add")
     muls = [g.op(i, "Mul") for i in add.input] if add is not None else [None]
     if None in muls:
@@ -280,8 +289,7 @@ def _rope_source(g: _Graph, name: str, tables: dict):
         return None
     neg, first_half = g.op(concat.input[0], "Neg"), g.op(concat.input[1], "Slice")
     second_half = neg and g.op(neg.input[0], "Slice")
-    reshape = _head_reshape(g, x)
-    if None in (second_half, first_half, reshape) or second_half.input[0] != x or first_half.input[0] != x:
+    if None in (second_half, first_half) or second_half.input[0] != x or first_half.input[0] != x:
         return None
     for table in (cos, sin):
         if table not in tables:
@@ -290,7 +298,8 @@ def _rope_source(g: _Graph, name: str, tables: dict):
             tables[table] = t[:, :half] if t.ndim == 2 and np.array_equal(t[:, :half], t[:, half:]) else None
         if tables[table] is None:
             return None   # not the rotate_half layout
-    return reshape.input[0], cos, sin
+    reshape = _head_reshape(g, x)
+    return (None if reshape is None else reshape.input[0]), x, cos, sin
 
 
 def _head_reshape(g: _Graph, name: str):
@@ -314,14 +323,17 @@ def _merge_reshape(g: _Graph, name: str):
 # ---- attention -------------------------------------------------------------------------------------------------
 
 def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
-    """Each `specrt::TreeAttention` -> its body with constant head counts and the mask bias shared; the reshapes of
-    the values and of the merged heads around it ([B,S,n,D] <-> [B,S,n*D]) take constant shapes."""
+    """Each `specrt::TreeAttention` -> its body with constant head counts and the mask bias shared (one per window
+    size); the reshapes of the values and of the merged heads around it ([B,S,n,D] <-> [B,S,n*D]) take constant
+    shapes."""
     H, Hkv, D = spec["heads"], spec["kv_heads"], spec["head_dim"]
     n = helper.make_node
-    shared = None
+    shared, biases = None, {0: "fused/bias"}
     types = {i.name: i.type.tensor_type.elem_type for i in g.g.input}
     for t in [t for t in g.g.node if t.domain == DOMAIN and t.op_type == OP_TYPE]:
         q, k_cache, v_cache, k_new, v_new, past_len, tree_mask = t.input
+        attrs = {a.name: helper.get_attribute_value(a) for a in t.attribute}
+        window, softcap = attrs.get("window", 0), attrs.get("softcap", 0.0)
         if shared is None:
             shared = (past_len, tree_mask)
             new.extend(_shared_nodes(H // Hkv, Hkv, D, past_len, tree_mask, k_cache))
@@ -329,35 +341,42 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
                                     _ints("fused/kv_heads", [0, 0, Hkv, D]), _ints("fused/merged", [0, 0, H * D])])
         elif (past_len, tree_mask) != shared:   # the bias is built once, from the first node's inputs
             continue
+        if window not in biases:
+            new.extend(_window_nodes(tree_mask, window, first=len(biases) == 1))
+            biases[window] = f"fused/bias_w{window}"
         v_reshape, out_reshape = _head_reshape(g, v_new), _merge_reshape(g, t.output[0])
         if v_reshape is not None:
             v_reshape.input[1] = "fused/kv_heads"
         if out_reshape is not None:
             out_reshape.input[1] = "fused/merged"
         p = f"{t.name or t.output[0]}/fused/"
-        scale = next(a.f for a in t.attribute if a.name == "scale")
         dead.add(tuple(t.output))
         keys, values = k_cache + WRITTEN, v_cache + WRITTEN   # (B, Hkv, T, D): graph outputs, see the docstring
         dtype = types.get(k_cache, TensorProto.FLOAT)
         g.g.output.extend(helper.make_tensor_value_info(name, dtype, None) for name in (keys, values))
+        scores = dict(scale=attrs["scale"], softcap=softcap, bias=biases[window], dtype=dtype)
         new += [
             n("ScatterElements", [k_cache, "fused/slots", k_new], [keys], axis=2),      # new at past_len
             n("ScatterElements", [v_cache, "fused/slots", v_new], [values], axis=2),
             n("Reshape", [q, "fused/q_groups"], [p + "qg"]),                               # (B, Hkv, G*S, D)
             n("If", ["fused/whole"], [p + "context"],                                      # (B, Hkv, G*S, D)
-              then_branch=_attention(p + "whole/", p + "qg", keys, values, scale, dtype),
-              else_branch=_attention(p + "window/", p + "qg", keys, values, scale, dtype, window=True)),
+              then_branch=_attention(p + "whole/", p + "qg", keys, values, **scores),
+              else_branch=_attention(p + "window/", p + "qg", keys, values, **scores, window=True)),
             n("Reshape", [p + "context", "fused/heads"], [t.output[0]]),                   # (B, H, S, D)
         ]
         counts["attention"] += 1
 
 
-def _attention(p: str, qg: str, keys: str, values: str, scale: float, dtype: int,
+def _attention(p: str, qg: str, keys: str, values: str, scale: float, softcap: float, bias: str, dtype: int,
                window: bool = False) -> onnx.GraphProto:
-    """One branch of a layer's attention over the T columns of `fused/bias`: all of the written cache's slots, or
-    (`window`) a copy of its first T."""
+    """One branch of a layer's attention over the T columns of its mask bias: all of the written cache's slots,
+    or (`window`) a copy of its first T."""
     n = helper.make_node
-    nodes = [n("Constant", [], [p + "scale"], value=helper.make_tensor(p + "scale", TensorProto.FLOAT, [], [scale]))]
+
+    def const(name, val):
+        return n("Constant", [], [p + name], value=helper.make_tensor(p + name, TensorProto.FLOAT, [], [val]))
+
+    nodes = [const("scale", scale)]
     if window:
         nodes += [n("Slice", [keys, "fused/i0", "fused/T1", "fused/i2"], [p + "keys"]),
                   n("Slice", [values, "fused/i0", "fused/T1", "fused/i2"], [p + "values"])]
@@ -366,11 +385,47 @@ def _attention(p: str, qg: str, keys: str, values: str, scale: float, dtype: int
         n("Transpose", [keys], [p + "keys_t"], perm=[0, 1, 3, 2]),                         # (B, Hkv, D, T)
         n("MatMul", [qg, p + "keys_t"], [p + "raw"]),                                      # (B, Hkv, G*S, T)
         n("Mul", [p + "raw", p + "scale"], [p + "scores"]),
-        n("Add", [p + "scores", "fused/bias"], [p + "masked"]),
+    ]
+    scores = p + "scores"
+    if softcap:   # scores -> c * tanh(scores / c)
+        nodes += [const("softcap", softcap), n("Div", [scores, p + "softcap"], [p + "scaled"]),
+                  n("Tanh", [p + "scaled"], [p + "tanh"]), n("Mul", [p + "tanh", p + "softcap"], [p + "capped"])]
+        scores = p + "capped"
+    nodes += [
+        n("Add", [scores, bias], [p + "masked"]),
         n("Softmax", [p + "masked"], [p + "probs"], axis=-1),
         n("MatMul", [p + "probs", values], [p + "context"]),                               # (B, Hkv, G*S, D)
     ]
     return helper.make_graph(nodes, p.rstrip("/"), [], [helper.make_tensor_value_info(p + "context", dtype, None)])
+
+
+def _window_nodes(tree_mask: str, window: int, first: bool) -> list:
+    """The mask bias of the layers with a `window` (`fused/bias_w<window>`): `fused/visible` and key position >
+    query position - window. Query i of row b is at past_len[b] + depth_i (depth: its mask row's count - 1);
+    column c at c in the cache, at past_len[b] + depth_j for new token j = c - past_len[b]. `first`: also the
+    positions (`fused/dist`, shared by every window size)."""
+    n = helper.make_node
+    w = f"fused/w{window}/"
+    nodes = [
+        n("Cast", [tree_mask], ["fused/mask_int"], to=TensorProto.INT64),
+        n("ReduceSum", ["fused/mask_int", "fused/i2"], ["fused/ancestors"], keepdims=0),  # (B, S): depth + 1
+        n("Sub", ["fused/ancestors", "fused/one"], ["fused/depth"]),
+        n("Add", ["fused/past_col", "fused/depth"], ["fused/q_pos"]),                  # (B, S)
+        n("GatherElements", ["fused/depth", "fused/j"], ["fused/col_depth"], axis=1),  # (B, T) depth of c - past_len
+        n("Add", ["fused/past_col", "fused/col_depth"], ["fused/new_pos"]),
+        n("Where", ["fused/is_new", "fused/new_pos", "fused/cols"], ["fused/k_pos"]),  # (B, T)
+        n("Unsqueeze", ["fused/q_pos", "fused/i2"], ["fused/q_col"]),                  # (B, S, 1)
+        n("Unsqueeze", ["fused/k_pos", "fused/i1"], ["fused/k_row"]),                  # (B, 1, T)
+        n("Sub", ["fused/q_col", "fused/k_row"], ["fused/dist"]),                      # (B, S, T)
+    ] if first else []
+    return nodes + [
+        n("Constant", [], [w + "span"], value=helper.make_tensor(w + "span", TensorProto.INT64, [], [window])),
+        n("Less", ["fused/dist", w + "span"], [w + "near"]),
+        n("And", ["fused/visible", w + "near"], [w + "visible"]),
+        n("Where", [w + "visible", "fused/fzero", "fused/ninf"], [w + "bias3"]),
+        n("Unsqueeze", [w + "bias3", "fused/i1"], [w + "bias4"]),                       # (B, 1, S, T)
+        n("Tile", [w + "bias4", "fused/tile"], [f"fused/bias_w{window}"]),              # (B, 1, G*S, T)
+    ]
 
 
 def _shared_nodes(G: int, Hkv: int, D: int, past_len: str, tree_mask: str, k_cache: str) -> list:

@@ -18,7 +18,6 @@ Graph, plain or root_token: `hidden` [B, d] (and `token` [B]) -> `medusa_logits`
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -161,7 +160,9 @@ def shipped_tree(directory: str | Path, num_heads: int):
     return tree
 
 
-def export_heads(heads: MedusaHeads, path: Path) -> None:
+def export_heads(heads: MedusaHeads, path: Path, dtype: str = "float32") -> None:
+    """The heads' graph (see `specrt.export.onnx_export.export_module`: weights as external data in `dtype`)."""
+    from specrt.export.onnx_export import export_module
     d, K = heads.lm_head.in_features, len(heads.heads)
     hidden, token = torch.zeros(1, d), torch.zeros(1, dtype=torch.int64)
     if heads.sequential:
@@ -170,7 +171,4 @@ def export_heads(heads: MedusaHeads, path: Path) -> None:
         args, names, out = (hidden, token), ["hidden", "token"], "medusa_logits"
     else:
         args, names, out = (hidden,), ["hidden"], "medusa_logits"
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(_HeadsGraph(heads), args, str(path), dynamo=False, opset_version=17, input_names=names,
-                          output_names=[out], dynamic_axes={name: {0: "M"} for name in (*names, out)})
+    export_module(_HeadsGraph(heads), args, path, dtype, names, [out], {name: {0: "M"} for name in (*names, out)})

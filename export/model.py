@@ -10,12 +10,12 @@ probability exactly zero (the rejection rule stays exact).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from specrt.export.architectures import REGISTRY, Architecture
+from specrt.export.architectures import Architecture, architecture_of, layer_windows
 from specrt.plugins.tree_attention import tree_attention
 
 
@@ -34,20 +34,51 @@ class ModelArgs:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    act: str = "silu"
+    qk_norm: bool = False          # RMSNorm over each head's q and k before RoPE
+    sandwich_norms: bool = False   # post_attention_layernorm on the attention output, pre/post_feedforward_layernorm
+    embed_scale: float = 1.0       # embeddings times this
+    attn_scale: float = 0.0        # scores scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0      # scores -> c * tanh(scores / c); 0: none
+    final_softcap: float = 0.0     # the same on the logits
+    windows: tuple[int, ...] = ()  # per layer: attend to the last W positions (0: all); (): no layer has a window
+    local_rope: tuple[bool, ...] = ()  # per layer: rotates by the local rope tables (Gemma 3's sliding layers)
 
 
-def args_from_config(config, arch: Architecture, max_seq_len: int) -> ModelArgs:
+def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str]) -> ModelArgs:
+    """The graph's options from a transformers config and the names of its weights (which biases exist)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer = "model.layers.0."
+    windows = layer_windows(config, arch)
     return ModelArgs(
         architecture=arch.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, rms_norm_eps=config.rms_norm_eps, max_seq_len=max_seq_len,
-        qkv_bias=arch.qkv_bias or bool(getattr(config, "attention_bias", False)),
-        o_bias=bool(getattr(config, "attention_bias", False)) and arch.name == "llama",
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qkv_bias=layer + "self_attn.q_proj.bias" in weights or layer + "self_attn.qkv_proj.bias" in weights,
+        o_bias=layer + "self_attn.o_proj.bias" in weights,
+        mlp_bias=layer + "mlp.gate_proj.bias" in weights or layer + "mlp.gate_up_proj.bias" in weights,
+        act=getattr(config, arch.act_key, "silu"), qk_norm=arch.qk_norm, sandwich_norms=arch.sandwich_norms,
+        embed_scale=config.hidden_size ** 0.5 if arch.embed_scale else 1.0,
+        attn_scale=getattr(config, arch.query_scale_key) ** -0.5 if arch.query_scale_key else 0.0,
+        attn_softcap=arch.softcap and getattr(config, "attn_logit_softcapping", None) or 0.0,
+        final_softcap=arch.softcap and getattr(config, "final_logit_softcapping", None) or 0.0,
+        windows=windows if any(windows) else (),
+        local_rope=tuple(t == "sliding_attention" for t in config.layer_types[:config.num_hidden_layers])
+        if arch.local_rope else (),
     )
+
+
+def plain_layers(a: ModelArgs) -> ModelArgs:
+    """`a`'s sizes and biases with the Llama layer's options (what a drafter's own layers are)."""
+    return replace(a, act="silu", qk_norm=False, sandwich_norms=False, embed_scale=1.0, attn_scale=0.0,
+                   attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=())
+
+
+# the MLP activations by their transformers names (architectures.ACTIVATIONS lists them)
+ACTIVATIONS = {"silu": nn.functional.silu, "swish": nn.functional.silu, "gelu": nn.functional.gelu,
+               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -65,24 +96,39 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope(x, cos, sin):
+    """x (B, n, S, D) rotated by the tables' first R dims (R = D but for partial rotary: the rest passes)."""
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated = x[..., :R] * cos + rotate_half(x[..., :R]) * sin
+    return torch.cat((rotated, x[..., R:]), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, window: int = 0):
         super().__init__()
-        self.a = a
+        self.a, self.window = a, window
+        self.scale = a.attn_scale or a.head_dim ** -0.5
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
     def forward(self, x, cos, sin, past_len, tree_mask, k_cache, v_cache):
         B, S, _ = x.shape
         a = self.a
-        q = self.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)     # (B, H, S, D)
-        k = self.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        q = self.q_proj(x).view(B, S, a.num_heads, a.head_dim)                     # (B, S, H, D)
+        k = self.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim)                  # (B, S, Hkv, D)
         v = self.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        y = tree_attention(q, k_cache, v_cache, k, v, past_len, tree_mask, a.head_dim ** -0.5)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q.transpose(1, 2), cos, sin)                                      # (B, H, S, D)
+        k = rope(k.transpose(1, 2), cos, sin)                                      # (B, Hkv, S, D)
+        y = tree_attention(q, k_cache, v_cache, k, v, past_len, tree_mask, self.scale, self.window, a.attn_softcap)
         y = y.transpose(1, 2).reshape(B, S, a.num_heads * a.head_dim)               # (B, S, H*D)
         return self.o_proj(y), k, v
 
@@ -90,58 +136,77 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
+        self.act = ACTIVATIONS[a.act]
         self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(a)
+        self.sandwich = a.sandwich_norms
+        self.self_attn = Attention(a, a.windows[index] if a.windows else 0)
         self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, cos, sin, past_len, tree_mask, k_cache, v_cache):
         h, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, k_cache, v_cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
 
 
 class SpecModel(nn.Module):
-    """Weights under the transformers names (`model.layers.N...`, `lm_head`), so `load_state_dict` maps 1:1."""
+    """Weights under the transformers names (`model.layers.N...`, `lm_head`), so `load_state_dict` maps 1:1.
+    `local_rope`: the (cos, sin) tables of the layers that `a.local_rope` marks (Gemma 3's sliding layers)."""
 
     def __init__(self, a: ModelArgs, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                 vocab_subset: torch.Tensor | None = None):
+                 vocab_subset: torch.Tensor | None = None, local_rope: tuple | None = None):
         super().__init__()
         self.args = a
         kept = a.vocab_size if vocab_subset is None else len(vocab_subset)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.model.layers = nn.ModuleList(Block(a) for _ in range(a.num_layers))
+        self.model.layers = nn.ModuleList(Block(a, i) for i in range(a.num_layers))
         self.model.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, kept, bias=False)
         # the kept output ids (K,), part of the weights (and of their hash); None: the whole vocabulary
         self.register_buffer("vocab_index", None if vocab_subset is None else vocab_subset.long())
-        self.register_buffer("rope_cos", rope_cos, persistent=False)  # (Smax, D)
-        self.register_buffer("rope_sin", rope_sin, persistent=False)  # (Smax, D)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)  # (Smax, R)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)  # (Smax, R)
+        local_cos, local_sin = local_rope if any(a.local_rope) else (None, None)
+        self.register_buffer("local_cos", local_cos, persistent=False)  # (Smax, R)
+        self.register_buffer("local_sin", local_sin, persistent=False)  # (Smax, R)
 
     def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, *caches):
         x = self.model.embed_tokens(input_ids)                           # (B, S, d)
-        cos = self.rope_cos[position_ids].unsqueeze(1)                   # (B, 1, S, D)
-        sin = self.rope_sin[position_ids].unsqueeze(1)                   # (B, 1, S, D)
+        if self.args.embed_scale != 1.0:
+            x = x * self.args.embed_scale
+        rotations = [(self.rope_cos[position_ids].unsqueeze(1),           # (B, 1, S, R)
+                      self.rope_sin[position_ids].unsqueeze(1))]
+        if self.local_cos is not None:
+            rotations.append((self.local_cos[position_ids].unsqueeze(1), self.local_sin[position_ids].unsqueeze(1)))
         new_kv = []
         for i, layer in enumerate(self.model.layers):
+            cos, sin = rotations[bool(self.args.local_rope) and self.args.local_rope[i]]
             x, k, v = layer(x, cos, sin, past_len, tree_mask, caches[2 * i], caches[2 * i + 1])
             new_kv += [k, v]
         hidden = self.model.norm(x)                                      # (B, S, d)
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)                        # the positions whose logits we need
         logits = self.lm_head(hidden.index_select(1, last))              # (B, num_logits, K)
+        if self.args.final_softcap:
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         if self.vocab_index is not None:
             logits = full_vocab(logits, self.vocab_index, self.args.vocab_size)  # (B, num_logits, V)
         return (logits, hidden, *new_kv)
@@ -153,28 +218,53 @@ def full_vocab(logits: torch.Tensor, index: torch.Tensor, vocab_size: int) -> to
     return full.scatter(-1, index.expand(*logits.shape), logits)
 
 
-def rope_tables(hf_model, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [Smax, D] from the model's own rotary embedding (covers its rope scaling)."""
+def rope_tables(hf_model, max_seq_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [Smax, R] from the model's own rotary embedding (covers its rope scaling; R < head_dim for a
+    partial rotary). `layer_type`: the tables of that layer type, where the model rotates each type its own way."""
     rotary = hf_model.model.rotary_emb
     positions = torch.arange(max_seq_len)[None, :]
     probe = torch.zeros(1, dtype=torch.float32)
-    cos, sin = rotary(probe, positions)
+    cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
     return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}   # Phi-3's
+
+
+def hf_weights(state: dict, arch: Architecture, a: ModelArgs) -> dict:
+    """A transformers state dict under the names and conventions of `SpecModel`: fused projections split, the
+    norms' offset folded into their weights, the LM head of tied embeddings, no rotary buffers."""
+    state = {k: v for k, v in state.items() if not k.endswith("inv_freq")}
+    if "lm_head.weight" not in state:  # tied embeddings
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if arch.fused_projections:   # output rows [q; k; v] and [gate; up]
+        sizes = {"qkv_proj": [a.num_heads * a.head_dim] + [a.num_kv_heads * a.head_dim] * 2,
+                 "gate_up_proj": [a.intermediate_size] * 2}
+        for key in list(state):
+            fused = next((f for f in FUSED if f".{f}." in key), None)
+            if fused is not None:
+                parts = state.pop(key).split(sizes[fused], dim=0)
+                state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})
+    if arch.norm_offset:
+        state = {k: v + arch.norm_offset if k.endswith("norm.weight") else v for k, v in state.items()}
+    return state
 
 
 def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -> SpecModel:
     """`vocab_subset`: the output ids a draft keeps (its lm_head rows), or None for the whole vocabulary."""
-    arch = REGISTRY[hf_model.config.model_type]
-    args = args_from_config(hf_model.config, arch, max_seq_len)
-    cos, sin = rope_tables(hf_model, max_seq_len)
-    index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
-    model = SpecModel(args, cos, sin, index)
+    config = hf_model.config
+    arch = architecture_of(config, f"{config.model_type!r} checkpoint")
     state = hf_model.state_dict()
-    if "lm_head.weight" not in state:  # tied embeddings
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    args = args_from_config(config, arch, max_seq_len, set(state))
+    cos, sin = rope_tables(hf_model, max_seq_len, "full_attention" if arch.local_rope else None)
+    local = rope_tables(hf_model, max_seq_len, "sliding_attention") if any(args.local_rope) else None
+    index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
+    with torch.device("meta"):   # no weights of its own: it takes the model's tensors (assign), no second copy
+        model = SpecModel(args, cos, sin, index, local)
+    state = hf_weights(state, arch, args)
     if index is not None:
         state["lm_head.weight"] = state["lm_head.weight"].index_select(0, index)   # (K, d)
         state["vocab_index"] = index
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
-from specrt.export.onnx_export import StagingDir, export_graph, model_entry
+from specrt.export import memory
+from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
 from specrt.export.eagle import export_eagle, load_eagle
 from specrt.export.medusa import export_heads, load_heads, shipped_tree
 from specrt.export.model import from_hf
@@ -18,10 +19,16 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def _max_len(model, requested: int, log=print) -> int:
-    """The graph's max_seq_len: the request, capped at the positions the model was trained for and at its
-    sliding window (the graph attends to the whole prefix)."""
-    for name in ("max_position_embeddings", "sliding_window"):
-        limit = getattr(model.config, name, None)
+    """The graph's max_seq_len: the request, capped at the positions the model was trained for, and for a
+    longrope model (Phi-3) at its original context: past it transformers switches every position to the long
+    factors once the sequence grows there, which no static rope table (nor cache) can follow."""
+    limits = [("max_position_embeddings", getattr(model.config, "max_position_embeddings", None))]
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(model.config, "original_max_position_embeddings", None)
+        limits.append(("longrope original_max_position_embeddings", original))
+    for name, limit in limits:
         if limit and limit < requested:
             log(f"--max-seq-len {requested} is more than the model's {name} ({limit}): using {limit}")
             requested = int(limit)
@@ -39,16 +46,39 @@ def _check_replaceable(out: Path) -> None:
                          f"move {out} away yourself")
 
 
+def _check_memory(target: str, draft: str | None, dtype: str, limit: float | None) -> None:
+    """Refuse, before loading anything, an export that will not fit (the larger model's weights in `dtype`)."""
+    if limit == float("inf"):
+        return
+    sizes = [(n, s) for s in (target, draft) if s is not None and (n := memory.parameters(s))]
+    if not sizes:
+        return
+    params, source = max(sizes)
+    smaller = "" if dtype != "float32" else \
+        f"Export with --dtype bfloat16 (about {memory.export_need(params, 'bfloat16') / memory.GB:.1f} GB)"
+    memory.check(f"exporting {source}", memory.export_need(params, dtype),
+                 f"{params / 1e9:.2f} B parameters, {params * memory.BYTES[dtype] / memory.GB:.1f} GB in {dtype}",
+                 limit, smaller or "Use a machine with more memory")
+
+
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
-                   medusa: str | None = None, eagle: str | None = None) -> Path:
+                   medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
+                   memory_limit: float | None = None) -> Path:
+    """Trace the models to the ONNX graphs of an engine directory `out`, their weights in `dtype` ("float32",
+    "float16" or "bfloat16": checkpoints are read in it, so that a model takes its size in that dtype in memory, once;
+    CUDA engines run it as it is, CPU engines are built from it as float32 or quantized). An export that would not
+    fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused first."""
     out = Path(out)
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if max_seq_len < 2:
         raise InputError(f"--max-seq-len {max_seq_len}: must be at least 2")
     if out.exists() and not force:
         raise InputError(f"{out} already exists; pass --force to replace it (it is replaced only once the new "
                          "export is complete)")
     _check_replaceable(out)
+    _check_memory(target, draft, dtype, memory_limit)
     import torch
     import onnx
     import transformers
@@ -60,18 +90,19 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             if source is None:
                 continue
             log(f"loading {role} {source}")
-            src = load_source(source)
+            src = load_source(source, DTYPES[dtype])
             if role == "draft" and models["target"]["vocab_size"] != src.model.config.vocab_size:
                 raise ManifestError(f"draft {source!r} has vocab size {src.model.config.vocab_size}, target "
                                     f"{target!r} has {models['target']['vocab_size']}: a draft must share the "
                                     "target's vocabulary")
             tokenizer = tokenizer or src.tokenizer
             model = from_hf(src.model, _max_len(src.model, max_seq_len, log), src.vocab_subset)
+            src.model = None   # the graph's model holds the weights now (the same tensors)
             kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
             log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}{kept}, "
-                f"max_seq_len {model.args.max_seq_len})")
-            export_graph(model, tmp / f"{role}.onnx")
-            models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids)
+                f"max_seq_len {model.args.max_seq_len}, {dtype} weights)")
+            export_graph(model, tmp / f"{role}.onnx", dtype)
+            models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids, dtype)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if src.gguf_file is not None:   # `specrt build --target-weights int4` reuses the file's blocks
@@ -80,19 +111,19 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 heads = load_heads(medusa, model)
                 tree = shipped_tree(medusa, len(heads.heads))
                 log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
-                export_heads(heads, tmp / "medusa.onnx")
+                export_heads(heads, tmp / "medusa.onnx", dtype)
                 models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
                                     "root_token": heads.root_token, "sequential": heads.sequential,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
-                                    "graph": file_entry(tmp, "medusa.onnx")}
+                                    "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx")}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
             if role == "target" and eagle is not None:
                 drafter = load_eagle(eagle, model)
                 log("tracing the EAGLE drafter to ONNX")
-                export_eagle(drafter, tmp / "eagle.onnx")
-                models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids)
+                export_eagle(drafter, tmp / "eagle.onnx", dtype)
+                models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")

@@ -25,6 +25,7 @@ from onnx import helper, numpy_helper
 
 from specrt.errors import BackendError
 from specrt.engines.manifest import sha256_file
+from specrt.export.onnx_files import array
 
 BLOCK = 32
 # MatMulNBits compute: int8 activations, quantized per token and per block of 32 (accuracy_level 4), as llama.cpp
@@ -41,17 +42,21 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
     activation scale per tensor, so a token's logits would depend on the other tokens of a verify pass, and
     speculation would no longer reproduce the target's own greedy output (measured: ngram diverged)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    model = onnx.load(str(graph))
+
+    from specrt.export import onnx_files
     bits = 4 if weights == "int4" else 8
+    gguf = "gguf" in spec and bits == 4
+    model = onnx_files.load(graph, weights=gguf)   # else its structure: each weight is read when it is quantized
     counts, added = Counter(), set()
-    if "gguf" in spec and bits == 4:
+    if gguf:
         counts, added = gguf_blocks(model, _gguf_file(spec["gguf"]), spec)
-    standard = [n.name for n in model.graph.node
-                if n.op_type == "MatMul" and n.name not in added and _weight(model, n) is not None]
+    inits = {t.name: t for t in model.graph.initializer}
+    standard = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in added and n.input[1] in inits]
     if standard:   # MatMuls only: its int4 Gather needs opset 21, these graphs are opset 17
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=False,
                                  accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added),
                                  op_types_to_quantize=("MatMul",))
+        q.node_quantizer.quantize = _one_weight_at_a_time(q.node_quantizer.quantize, inits, graph.parent)
         quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
         level = quiet.level
         quiet.setLevel(logging.WARNING)   # it logs every node it visits
@@ -61,8 +66,27 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
             quiet.setLevel(level)
         model = q.model.model
         counts[f"standard {weights}"] += len(standard)
-    onnx.save(model, str(out))
+    onnx_files.save(model, out, graph.parent)   # the weights not quantized are copied from graph's data file
     return dict(counts)
+
+
+def _one_weight_at_a_time(quantize, inits: dict, base: Path):
+    """The quantizer's step for one node, with the node's float32 weight read from the data file into a graph of
+    its own that goes once the node is done (a protobuf message keeps the memory of what it once held): the
+    model's float32 weights are never all in memory, only their blocks, which move into the model."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    def step(node, graph_stack):
+        w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+        if w is None or not uses_external_data(w) or w.HasField("raw_data"):
+            return quantize(node, graph_stack)
+        own = onnx.GraphProto()
+        own.initializer.add().CopyFrom(w)
+        load_external_data_for_tensor(own.initializer[0], str(base))
+        out = quantize(node, [*graph_stack, own])
+        graph_stack[-1].initializer.extend(t for t in own.initializer if t.name != w.name)   # the blocks
+        return out
+    return step
 
 
 def _gguf_file(entry: dict) -> Path:
@@ -255,12 +279,13 @@ def zp_values(zp: np.ndarray, kind: str, n_blocks: int) -> np.ndarray:
     return z[:, :n_blocks].astype(np.float32)
 
 
-def exact_block_gathers(model: onnx.ModelProto) -> int:
+def exact_block_gathers(model: onnx.ModelProto, base: Path | None = None) -> int:
     """Rewrite, in place, each Gather of a constant float32 table (V, d) whose every block of 32 along d is
     exactly q * s (q int8 in [-127, 127], s = the block's largest magnitude / 127) as GatherBlockQuantized over
     those blocks, which gives back the very same float32 values at a quarter of the bytes. A table dequantized
     from GGUF Q8_0 blocks is such a table (the drafters' copies of the default target's embedding, 108 MB each
-    in float32); a trained one is not, and stays as it was. Returns how many Gathers were rewritten."""
+    in float32); a trained one is not, and stays as it was. Returns how many Gathers were rewritten. `base`: the
+    directory of the model's data file, if it was loaded without its weights (each table is read when checked)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     ranks = _ranks(graph.input, graph.value_info)
@@ -269,14 +294,15 @@ def exact_block_gathers(model: onnx.ModelProto) -> int:
         table = inits.get(node.input[0]) if node.op_type == "Gather" else None
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         if table is not None and node.input[1] not in ranks and not inferred:   # indices computed in the graph
-            ranks.update(_ranks(onnx.shape_inference.infer_shapes(model).graph.value_info))
+            from specrt.export.onnx_files import infer_shapes
+            ranks.update(_ranks(infer_shapes(model).graph.value_info))
             inferred = True
         rank = ranks.get(node.input[1]) if table is not None else None
         if rank is None or axis != 0 or table.data_type != onnx.TensorProto.FLOAT or len(table.dims) != 2 \
                 or table.dims[1] % BLOCK:
             new_nodes.append(node)
             continue
-        w = numpy_helper.to_array(table)
+        w = array(table, base)
         blocks = w.reshape(w.shape[0], -1, BLOCK)                                     # (V, nb, 32)
         scale = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
         q = np.rint(np.divide(blocks, scale, out=np.zeros_like(blocks), where=scale > 0))

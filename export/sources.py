@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specrt.errors import UnknownSourceError
-from specrt.export.architectures import REGISTRY
+from specrt.export.architectures import architecture_of
 from specrt.engines.manifest import sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -59,7 +59,8 @@ def _eos_ids(model) -> list[int]:
     return ids
 
 
-def load_source(name: str) -> Source:
+def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
+    """The model `name` with its weights in `dtype` (a checkpoint is read in that dtype directly)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -67,7 +68,7 @@ def load_source(name: str) -> Source:
     if name == DEFAULT_TARGET:
         d = _smollm2_dir()
         model, tok = _load_gguf(d, GGUF_FILE)
-        return Source(name, model.eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
+        return Source(name, model.to(dtype).eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
     path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise UnknownSourceError(
@@ -75,10 +76,8 @@ def load_source(name: str) -> Source:
             f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
             "(one that holds config.json and weights)")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in REGISTRY:
-        raise UnknownSourceError(
-            f"{name!r} is a {config.model_type!r} model; supported architectures: {', '.join(sorted(REGISTRY))}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    architecture_of(config, repr(name))   # refuses, by name, what the graph does not implement
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)

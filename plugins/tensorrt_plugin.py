@@ -15,24 +15,25 @@ from pathlib import Path
 import torch
 
 from specrt.errors import BackendError
-from specrt.plugins.tree_attention import DOMAIN, OP_TYPE
+from specrt.plugins.tree_attention import DOMAIN, OP_TYPE, visibility
 
 PLUGIN_ID = f"{DOMAIN}::{OP_TYPE}"
 
 
-def tree_attention_static(q, k_cache, v_cache, k_new, v_new, past_len, tree_mask, scale: float):
+def tree_attention_static(q, k_cache, v_cache, k_new, v_new, past_len, tree_mask, scale: float, window: int = 0,
+                          softcap: float = 0.0):
     """The op over the whole static cache: slots at or past `past_len[b]` get weight zero through the mask, so
     no shape depends on a value on the device (nothing to read back, nothing to re-plan per pass)."""
     B, H, S, D = q.shape
     Hkv, Smax = k_cache.shape[1], k_cache.shape[2]
     keys = torch.cat([k_cache, k_new], dim=2)                                    # (B, Hkv, Smax+S, D)
     values = torch.cat([v_cache, v_new], dim=2)                                  # (B, Hkv, Smax+S, D)
-    slots = torch.arange(Smax, device=q.device)
-    cache_ok = slots[None, :] < past_len[:, None]                                # (B, Smax)
-    visible = torch.cat([cache_ok[:, None, :].expand(B, S, Smax), tree_mask.bool()], dim=2)  # (B, S, Smax+S)
+    visible = visibility(past_len, tree_mask.bool(), Smax, window)               # (B, S, Smax+S)
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
     qg = q.reshape(B, Hkv, -1, D)                                                # (B, Hkv, G*S, D)
     scores = (qg @ keys.transpose(2, 3)) * scale                                 # (B, Hkv, G*S, Smax+S)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(B, Hkv, -1, S, Smax + S) + bias[:, None, None]       # (B, Hkv, G, S, Smax+S)
     probs = torch.softmax(scores, dim=-1).reshape(B, Hkv, -1, Smax + S)          # (B, Hkv, G*S, Smax+S)
     return (probs @ values).reshape(B, H, S, D)                                  # (B, H, S, D)
@@ -58,25 +59,26 @@ def register() -> None:
     @trtp.register(PLUGIN_ID)
     def tree_attention_desc(query: trtp.TensorDesc, k_cache: trtp.TensorDesc, v_cache: trtp.TensorDesc,
                             k_new: trtp.TensorDesc, v_new: trtp.TensorDesc, past_len: trtp.TensorDesc,
-                            tree_mask: trtp.TensorDesc, scale: float) -> trtp.TensorDesc:
+                            tree_mask: trtp.TensorDesc, scale: float, window: int, softcap: float) -> trtp.TensorDesc:
         """Shape rule: the output is shaped and typed like the query (B, H, S, D)."""
         return query.like()
 
     @trtp.impl(PLUGIN_ID)
     def tree_attention_impl(query: trtp.Tensor, k_cache: trtp.Tensor, v_cache: trtp.Tensor, k_new: trtp.Tensor,
                             v_new: trtp.Tensor, past_len: trtp.Tensor, tree_mask: trtp.Tensor, scale: float,
-                            outputs: tuple[trtp.Tensor], stream: int) -> None:
+                            window: int, softcap: float, outputs: tuple[trtp.Tensor], stream: int) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             args = [torch.as_tensor(t, device="cuda") for t in (query, k_cache, v_cache, k_new, v_new, past_len,
                                                                  tree_mask)]
             out = torch.as_tensor(outputs[0], device="cuda")
-            out.copy_(tree_attention_static(*args, scale))
+            out.copy_(tree_attention_static(*args, scale, window, softcap))
 
 
 def strip_function(graph: Path) -> bytes:
-    """TensorRT maps the node to the plugin: drop the ONNX function body, name the plugin namespace."""
+    """TensorRT maps the node to the plugin: drop the ONNX function body, name the plugin namespace. The weights
+    stay in the graph's external data file (the parser reads them from beside `graph`)."""
     import onnx
-    model = onnx.load(str(graph))
+    model = onnx.load(str(graph), load_external_data=False)
     del model.functions[:]
     for node in model.graph.node:
         if node.domain == DOMAIN and node.op_type == OP_TYPE:
@@ -102,7 +104,7 @@ def build_engine(graph: Path, engine: Path, max_len: int, max_batch: int = 8, fp
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(strip_function(graph)):
+    if not parser.parse(strip_function(graph), path=str(graph)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise BackendError(f"TensorRT could not parse {graph}: {errors}")
     config = builder.create_builder_config()

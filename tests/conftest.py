@@ -16,14 +16,38 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ENGINES = REPO / "engines" / "default"
 
 
+WINDOW = 8   # the attention window of the test configs that have one: shorter than the tests' prompt + generation
+
+# One tiny test configuration per registered architecture (transformers config fields over `tiny_config`'s
+# sizes): what each must exercise. tests/test_architectures.py fails when an architecture has none.
+ARCH_TESTS = {
+    "llama": {},
+    "qwen2": {},                                                 # q/k/v biases (given values in `tiny_model`)
+    "mistral": dict(sliding_window=WINDOW),                      # every layer windowed
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),   # layer 1 windowed
+    "gemma2": dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=WINDOW, attn_logit_softcapping=0.02,
+                   final_logit_softcapping=0.1),                 # layer 0 windowed; caps that bite at this scale
+    "gemma3_text": dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=WINDOW,
+                        layer_types=["sliding_attention", "full_attention"]),   # local rope on layer 0
+    "phi3": dict(sliding_window=WINDOW, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                 rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.7], long_factor=[3.0, 9.0])),
+}
+
+
 def tiny_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                 init: float = 0.02):
     import transformers
-    cls = getattr(transformers, REGISTRY[arch].hf_class.replace("ForCausalLM", "Config"))
+    cls = getattr(transformers, config_class(arch))
     return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                initializer_range=init, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
-               pad_token_id=None)
+               pad_token_id=None, **ARCH_TESTS.get(arch, {}))
+
+
+def config_class(arch: str) -> str:
+    """The transformers config class of a registered architecture (Gemma3ForCausalLM: Gemma3TextConfig)."""
+    name = REGISTRY[arch].hf_class.replace("ForCausalLM", "Config")
+    return "Gemma3TextConfig" if name == "Gemma3Config" else name
 
 
 def tiny_model(arch: str, seed: int = 0, eos: int | None = None, **kw):
@@ -33,11 +57,15 @@ def tiny_model(arch: str, seed: int = 0, eos: int | None = None, **kw):
     cls = getattr(transformers, REGISTRY[arch].hf_class)
     model = cls(tiny_config(arch, **kw)).eval()
     model.config.eos_token_id = eos
-    if arch == "qwen2":  # give the q/k/v biases values, so that they are tested
-        with torch.no_grad():
+    with torch.no_grad():
+        if arch == "qwen2":  # give the q/k/v biases values, so that they are tested
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+        if REGISTRY[arch].norm_offset or REGISTRY[arch].qk_norm:   # norm weights other than their start
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.5)
     model.generation_config.eos_token_id = eos
     return model
 

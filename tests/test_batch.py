@@ -25,7 +25,8 @@ def prompts(default_generator):
 @pytest.fixture(scope="module")
 def lone(default_generator, prompts):
     """Each prompt alone, autoregressive: the reference of every method."""
-    return [default_generator.generate(prompt_ids=p, max_new_tokens=n).token_ids[0] for p, n in zip(prompts, NEW)]
+    return [default_generator.generate(prompt_ids=p, max_new_tokens=n, method="autoregressive").token_ids[0]
+            for p, n in zip(prompts, NEW)]
 
 
 def check(outputs, lone, prompts, model):
@@ -65,13 +66,14 @@ def test_generate_a_list_of_prompts(default_generator, smollm2, prompts, lone, m
     assert len(out.token_ids) == len(out.text) == 3
     check(out.token_ids, lone, prompts, smollm2.model)
     assert len(out.stats["stop_reasons"]) == 3 and out.stats["tokens"] == sum(map(len, out.token_ids))
-    texts = default_generator.generate(prompt=load_prompts(3), max_new_tokens=4).text
+    texts = default_generator.generate(prompt=load_prompts(3), max_new_tokens=4, method="autoregressive").text
     assert [default_generator.tokenizer.decode(t, skip_special_tokens=True) for t in
-            (default_generator.generate(prompt_ids=p, max_new_tokens=4).token_ids[0] for p in prompts)] == texts
+            (default_generator.generate(prompt_ids=p, max_new_tokens=4, method="autoregressive").token_ids[0]
+             for p in prompts)] == texts
 
 
 def test_cancelled_row_frees_its_row(default_generator, prompts):
-    batch = default_generator.batch(2)
+    batch = default_generator.batch(2, method="autoregressive")
     batch.add(prompts[0], 40, owner="a")
     batch.add(prompts[1], 8, owner="b")
     batch.step()
@@ -82,16 +84,16 @@ def test_cancelled_row_frees_its_row(default_generator, prompts):
     while batch.run.batch:
         batch.step()
         done = batch.retire()
-    alone = default_generator.generate(prompt_ids=prompts[1], max_new_tokens=8).token_ids[0]
+    alone = default_generator.generate(prompt_ids=prompts[1], max_new_tokens=8, method="autoregressive").token_ids[0]
     assert done[0][1] == alone
 
 
 def test_a_full_batch_refuses_more(default_generator, prompts):
-    batch = default_generator.batch(1)
+    batch = default_generator.batch(1, method="autoregressive")
     batch.add(prompts[0], 4)
     with pytest.raises(InputError, match="do not fit the batch"):
         batch.add(prompts[1], 4)
     with pytest.raises(InputError, match="empty list"):
-        default_generator.generate(prompt=[], max_new_tokens=4)
+        default_generator.generate(prompt=[], max_new_tokens=4, method="autoregressive")
     with pytest.raises(InputError, match="prompt ids"):
-        default_generator.generate(prompt_ids=[[1, 2], []], max_new_tokens=4)
+        default_generator.generate(prompt_ids=[[1, 2], []], max_new_tokens=4, method="autoregressive")

@@ -192,7 +192,7 @@ def test_bench_compares_an_int4_engine_set(engines, tmp_path):
     import shutil
     from specrt.export.build import build
     int4 = tmp_path / "int4"
-    shutil.copytree(engines, int4, ignore=shutil.ignore_patterns("*.ort.onnx"))
+    shutil.copytree(engines, int4, ignore=shutil.ignore_patterns("*.ort.onnx*"))
     build(int4, "onnxruntime", log=lambda *_: None, target_weights="int4")
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [5, 6, 7, 8, 5, 6]}])
     out = tmp_path / "out"

@@ -21,6 +21,7 @@ from specrt.export.build import build
 from specrt.decoding.eagle import DynamicTree
 from specrt.decoding.generate import METHODS, Generator
 from specrt.engines.manifest import file_entry, read_manifest, sha256_file, write_manifest
+from specrt.export.architectures import REGISTRY
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
@@ -29,30 +30,33 @@ V = 48
 SHAPE_NODES = {"Shape", "Range", "ConstantOfShape", "Size", "NonZero"}
 
 
-def static_op(scale: float, B, H, Hkv, S, Smax, D) -> bytes:
+def static_op(scale: float, B, H, Hkv, S, Smax, D, window: int = 0, softcap: float = 0.0) -> bytes:
     """One TreeAttention node with every shape fixed and the static body."""
     f, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     shapes = [(B, H, S, D), (B, Hkv, Smax, D), (B, Hkv, Smax, D), (B, Hkv, S, D), (B, Hkv, S, D), (B,), (B, S, S)]
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(INPUTS, [f] * 5 + [i64, b], shapes)]
-    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale)
+    node = helper.make_node(OP_TYPE, INPUTS, ["out"], domain=DOMAIN, scale=scale, window=window, softcap=softcap)
     graph = helper.make_graph([node], "op", ins, [helper.make_tensor_value_info("out", f, (B, H, S, D))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return attach_function(model, static=True).SerializeToString()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_static_body_matches_float64_reference(seed):
+    """Also with a sliding window and a soft-cap of the scores."""
     rng = np.random.default_rng(seed)
     B, Hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2, 3]))
     H, D, S, Smax = Hkv * int(rng.choice([1, 2, 4])), int(rng.choice([4, 8, 16])), int(rng.integers(1, 9)), 24
     past = rng.integers(0, Smax - S + 1, size=B)
+    window, softcap = [0, 1, 3, 6][seed % 4], [0.0, 0.7][seed // 4 % 2]
     r = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     inputs = dict(query=r(B, H, S, D), k_cache=r(B, Hkv, Smax, D), v_cache=r(B, Hkv, Smax, D),
                   k_new=r(B, Hkv, S, D), v_new=r(B, Hkv, S, D), past_len=past.astype(np.int64),
                   tree_mask=np.stack([random_tree(rng, S) for _ in range(B)]))
-    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(static_op(D ** -0.5, B, H, Hkv, S, Smax, D, window, softcap),
+                                   providers=["CPUExecutionProvider"])
     got = session.run(None, inputs)[0]
-    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, reference(*inputs.values(), D ** -0.5, window, softcap), atol=2e-5, rtol=1e-5)
     inputs["k_cache"][:, :, past.max():] = 1e4   # whatever the slots past past_len hold (finite) is ignored
     np.testing.assert_allclose(session.run(None, inputs)[0], got, atol=1e-6)
 
@@ -73,16 +77,18 @@ def test_manifest_records_widths_and_hashes(engine_sets):
     _, cuda, _ = engine_sets
     entry = read_manifest(cuda)["models"]["target"]["engine"]
     assert (entry["device"], entry["dtype"], sorted(entry["widths"], key=int)) == ("cuda", "float32", ["1", "2", "4", "8"])
-    for f in [entry, entry["weights_file"], *entry["widths"].values()]:
+    [weights] = entry["data"]   # the shared weights file, checked with the engine graph when it loads
+    assert weights["file"] == "target.cuda.weights"
+    for f in [entry, weights, *entry["widths"].values()]:
         assert sha256_file(cuda / f["file"]) == f["sha256"]
     referenced = 0   # bytes the graphs read from the shared file, counted once per graph
     for f in [entry, *entry["widths"].values()]:
         graph = onnx.load(str(cuda / f["file"]), load_external_data=False).graph
         external = [{e.key: e.value for e in t.external_data} for t in graph.initializer
                     if t.data_location == TensorProto.EXTERNAL]
-        assert external and {e["location"] for e in external} == {entry["weights_file"]["file"]}
+        assert external and {e["location"] for e in external} == {weights["file"]}
         referenced += sum(int(e["length"]) for e in external)
-    size = (cuda / entry["weights_file"]["file"]).stat().st_size
+    size = (cuda / weights["file"]).stat().st_size
     assert size * 4 < referenced, f"{size} bytes of weights for {referenced} referenced: each tensor stored once"
 
 
@@ -134,6 +140,20 @@ def test_width_engine_matches_plain_engine(engine_sets, k, tree):
     assert static.max_width == 8 and outs[1][0].shape == (1, k, V)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
+def test_width_engines_of_every_architecture_match_transformers(tiny_engines, tmp_path, arch):
+    """Each architecture's CUDA engines (the dynamic graph for the prefill, width graphs for the decode steps and a
+    padded tree) against transformers, past the window where the test model has one (conftest.ARCH_TESTS)."""
+    from test_graph_parity import check_parity
+    directory, model = tiny_engines[arch]
+    cuda = tmp_path / "cuda"
+    shutil.copytree(directory, cuda)
+    build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 8))
+    target = Generator.from_engines(cuda, device="cpu").target
+    assert isinstance(target, StaticWidthEngine)
+    check_parity(target, model, model.config.vocab_size)
 
 
 def test_width_engine_runs_the_smallest_width(engine_sets, monkeypatch):
@@ -385,12 +405,12 @@ def test_eagle_on_width_engines_keeps_greedy_output(eagle_sets, dtype, monkeypat
     ref = Generator.from_engines(cpu, device="cpu")
     for seed in range(2):
         prompt = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        want = ref.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
         got = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="eagle", adaptive=False).token_ids[0]
         if dtype == "float32":
             assert_same_or_tie(got, want, prompt, model)
         else:   # a float16 target's own greedy output
-            assert got == gen.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+            assert got == gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
     assert sum(ran.values()) > 0 and set(ran) <= {1, 2, 4, 8}
     costs = gen.eagle_costs(1, DynamicTree(2, 3, 6))   # the drafter's pass timed on its width graphs too
     assert costs.draft_step > 0

@@ -82,7 +82,8 @@ def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     accepted = 0
     for seed in range(3):
         prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]  # runs into max_seq_len
+        # runs into max_seq_len
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="eagle", adaptive=False)
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
         assert out.stats["tree_size"] == shape["nodes"] and out.stats["tree_depth"] == shape["depth"]
@@ -149,7 +150,7 @@ def test_batch_rows_share_the_tree_shape(eagle_pair):
     gen, model, _ = eagle_pair
     shaped(gen, top_k=2, depth=3, nodes=6)
     prompt = [2, 7, 7, 1]
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=10).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=10, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=10, method="eagle", num_return_sequences=3)
     for row in out.token_ids:
         assert_same_or_tie(row, ref, prompt, model)
@@ -213,7 +214,7 @@ def test_lookup_chains_keep_the_target_distribution(eagle_pair, monkeypatch, kw,
 
         def modest(self, *args, **kw):
             init(self, *args, **kw)
-            self.promise = [0.5, 1.0]
+            self.figures.promise = [0.5, 1.0]
         monkeypatch.setattr(eagle.EagleDrafter, "__init__", modest)
     added = count_lookup_nodes(monkeypatch)
     prompt = torch.randperm(V, generator=torch.Generator().manual_seed(2)).tolist()
@@ -272,7 +273,7 @@ def test_lookup_keeps_greedy_output(eagle_pair, monkeypatch, adaptive):
         monkeypatch.setattr(TreePolicy, "choose", lambda self: True)
     added = count_lookup_nodes(monkeypatch)
     prompts = [torch.randperm(V, generator=torch.Generator().manual_seed(s)).tolist() for s in (4, 5)]
-    refs = [gen.generate(prompt_ids=p, max_new_tokens=20).token_ids[0] for p in prompts]
+    refs = [gen.generate(prompt_ids=p, max_new_tokens=20, method="autoregressive").token_ids[0] for p in prompts]
     for p, ref in zip(prompts, refs):
         out = gen.generate(prompt_ids=p, max_new_tokens=20, method="eagle", adaptive=adaptive)
         assert_same_or_tie(out.token_ids[0], ref, p, model)
@@ -355,7 +356,7 @@ def test_int8_engine_keeps_greedy_output(tmp_path):
     model = tiny_model("qwen2", seed=4)
     gen = Generator.from_engines(export_with_eagle(tmp_path, model, drafter_weights="int8"))
     assert gen.manifest["models"]["eagle"]["engine"]["weights"] == "int8"
-    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12).token_ids[0]
+    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=12, method="eagle")
     assert_same_or_tie(out.token_ids[0], ref, [1, 2, 3, 4], model)
 
@@ -388,7 +389,7 @@ def test_drafter_with_kept_ids_outputs_only_theirs(tmp_path):
         lp, top = EagleDrafter(None, None, DynamicTree(k, 3, 9), output_ids=gen.eagle_ids)._top(out.logits.clone())
         assert top.tolist() == want_ids.tolist() and np.allclose(lp, want_lp.numpy(), atol=1e-4)
     prompt = [1, 2, 3, 4, 5]
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=20).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="eagle", adaptive=False)
     assert_same_or_tie(out.token_ids[0], ref, prompt, model)
 
@@ -405,7 +406,7 @@ def test_two_layer_drafter(tmp_path):
     assert_graph_matches_eager(gen, two)
     for seed in range(2):
         prompt = torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="eagle", adaptive=False)
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
     one = new_eagle(target, seed=7)
@@ -510,7 +511,7 @@ def test_sized_trees_keep_the_target_output(eagle_pair, monkeypatch, costs):
     monkeypatch.setattr(eagle, "tree_of", lambda paths: (shapes.append(paths), tree_of(paths))[1])
     for seed in range(3):
         prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="eagle")
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
     sizes, depths = {len(p) for p in shapes}, {max(map(len, p)) for p in shapes}

@@ -18,7 +18,7 @@ from specrt.decoding.generate import Generator
 def test_prompt_longer_than_engine(tiny_engines):
     gen = Generator.from_engines(tiny_engines["llama"][0])  # max_seq_len 64
     with pytest.raises(InputError, match=r"prompt of 64 tokens .* maximum sequence length 64"):
-        gen.generate(prompt_ids=[1] * 64)
+        gen.generate(prompt_ids=[1] * 64, method="autoregressive")
 
 
 def test_generation_reaching_max_len_stops_cleanly(tiny_engines):
@@ -28,7 +28,7 @@ def test_generation_reaching_max_len_stops_cleanly(tiny_engines):
         assert out.stats["stop_reason"] == "max_seq_len"
         assert len(out.token_ids[0]) == 64 - 60
     # the next request on the same generator is unaffected
-    assert len(gen.generate(prompt_ids=[1, 2], max_new_tokens=10).token_ids[0]) == 10
+    assert len(gen.generate(prompt_ids=[1, 2], max_new_tokens=10, method="autoregressive").token_ids[0]) == 10
 
 
 def test_export_caps_max_seq_len_at_the_models_positions(tmp_path):
@@ -43,7 +43,7 @@ def test_export_caps_max_seq_len_at_the_models_positions(tmp_path):
     from specrt.export.build import build
     build(tmp_path / "e", "onnxruntime", log=lambda *_: None)
     with pytest.raises(InputError, match="prompt of 300 tokens"):
-        Generator.from_engines(tmp_path / "e").generate(prompt_ids=[1] * 300)
+        Generator.from_engines(tmp_path / "e").generate(prompt_ids=[1] * 300, method="autoregressive")
 
 
 @pytest.mark.parametrize("kw, pattern", [
@@ -64,7 +64,7 @@ def test_invalid_parameters(tiny_engines, kw, pattern):
 def test_out_of_vocab_prompt_ids(tiny_engines):
     gen = Generator.from_engines(tiny_engines["llama"][0])
     with pytest.raises(InputError, match=r"\[999\]"):
-        gen.generate(prompt_ids=[1, 999])
+        gen.generate(prompt_ids=[1, 999], method="autoregressive")
 
 
 def test_unknown_source_leaves_nothing(tmp_path):

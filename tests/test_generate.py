@@ -11,6 +11,7 @@ import torch
 from greedy_check import assert_same_or_tie
 from conftest import load_prompts
 from specrt.errors import InputError
+from specrt.export.architectures import REGISTRY
 from specrt.decoding.generate import Generator
 
 
@@ -21,13 +22,14 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
 def test_tiny_greedy_matches_transformers(tiny_engines, arch):
+    """40 new tokens after prompts of 5-8: past the window (conftest.WINDOW) of the architectures that have one."""
     directory, model = tiny_engines[arch]
     gen = Generator.from_engines(directory)
     for seed in range(4):
         prompt = torch.randint(0, 64, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ours = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]
+        ours = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="autoregressive").token_ids[0]
         assert len(ours) == 40
         assert_same_or_tie(ours, hf_greedy(model, prompt, 40), prompt, model)
 
@@ -37,7 +39,7 @@ def test_smollm2_greedy_matches_transformers(default_generator, smollm2):
     ties = []
     for prompt in load_prompts(8):
         ids = default_generator.encode(prompt)
-        ours = default_generator.generate(prompt_ids=ids, max_new_tokens=64).token_ids[0]
+        ours = default_generator.generate(prompt_ids=ids, max_new_tokens=64, method="autoregressive").token_ids[0]
         assert_same_or_tie(ours, hf_greedy(smollm2.model, ids, 64), ids, smollm2.model, ties)
     assert len(ties) <= 2, f"too many near ties to be chance: {ties}"
 
@@ -68,7 +70,7 @@ def test_cached_gguf_conversion_loads_as_the_same_model(smollm2, tmp_path):
 def test_same_seed_same_output(tiny_engines):
     gen = Generator.from_engines(tiny_engines["llama"][0])
     kw = dict(prompt_ids=[1, 2, 3], max_new_tokens=20, temperature=0.9, top_k=20, top_p=0.9,
-              num_return_sequences=3)
+              num_return_sequences=3, method="autoregressive")
     a, b = gen.generate(seed=7, **kw), gen.generate(seed=7, **kw)
     assert a.token_ids == b.token_ids
     assert len(a.token_ids) == 3 and all(len(t) == 20 for t in a.token_ids)
@@ -77,7 +79,7 @@ def test_same_seed_same_output(tiny_engines):
 
 def test_stats_keys(tiny_engines):
     gen = Generator.from_engines(tiny_engines["llama"][0])
-    stats = gen.generate(prompt_ids=[1, 2], max_new_tokens=5).stats
+    stats = gen.generate(prompt_ids=[1, 2], max_new_tokens=5, method="autoregressive").stats
     for key in ("tokens", "rounds", "acceptance_rate", "mean_tokens_per_round", "acceptance_per_position",
                 "tokens_per_s", "engine_time_s", "loop_time_s", "stop_reason"):
         assert key in stats
@@ -115,8 +117,9 @@ def test_stream_gives_generate_output_round_by_round(tiny_engines):
         assert len(chunks) <= whole.stats["rounds"] + 2       # the prefill's token, then one chunk a round
         assert all(c.text is None for c in chunks)            # no tokenizer: ids only
     with pytest.raises(InputError, match="num_return_sequences 2"):
-        next(gen.stream(prompt_ids=[1, 2], num_return_sequences=2))
-    assert gen.generate(prompt_ids=[1, 2], max_new_tokens=3).stats["tokens"] == 3   # a refused stream left no state
+        next(gen.stream(prompt_ids=[1, 2], num_return_sequences=2, method="autoregressive"))
+    # a refused stream left no state
+    assert gen.generate(prompt_ids=[1, 2], max_new_tokens=3, method="autoregressive").stats["tokens"] == 3
 
 
 @pytest.mark.slow
@@ -144,11 +147,12 @@ def test_cli_stream(tiny_engines):
 
 
 def test_drafters_load_when_a_request_needs_them(default_engines):
-    """A process holds the engines of the methods it ran: the set's drafters load at their first request."""
-    gen = Generator.from_engines(default_engines)
+    """A process holds the engines of the methods it ran: the set's drafters load at their first request (not
+    warm: a tuning's recorded draft step spares the draft model's load below)."""
+    gen = Generator.from_engines(default_engines, warm=False)
     loaded = lambda: set(gen._drafters)   # noqa: E731
     assert all(gen.has(role) for role in ("draft", "medusa", "eagle")) and loaded() == set()
-    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8).token_ids
+    ref = gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="autoregressive").token_ids
     assert gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="ngram").token_ids == ref
     assert loaded() == set()
     assert gen.generate(prompt_ids=[1, 2, 3, 4], max_new_tokens=8, method="eagle").token_ids == ref

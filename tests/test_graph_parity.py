@@ -85,14 +85,16 @@ def test_tiny_parity(tiny_engines, arch):
 def test_tiny_engines_are_fused(tiny_engines, arch):
     directory, model = tiny_engines[arch]
     engine = json.loads((directory / "manifest.json").read_text())["models"]["target"]["engine"]
-    layers = model.config.num_hidden_layers
+    layers, arch = model.config.num_hidden_layers, REGISTRY[arch]
     # per layer: RoPE of q and k, attention inlined, both norms with the residual add before them; the first
-    # norm (after the embedding) has no residual add, the final one has
-    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": 1, "skip_norm": 2 * layers,
+    # norm (after the embedding) has no residual add, the final one has; norms on q and k per head (Qwen3,
+    # Gemma 3) and on the attention's and the MLP's outputs (Gemma) have none
+    norms = 1 + 2 * layers * arch.qk_norm + 2 * layers * arch.sandwich_norms
+    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": norms, "skip_norm": 2 * layers,
                                "projections": 5 * layers}   # q/k/v and gate/up merged
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", sorted(REGISTRY))
 def test_unfused_parity(tiny_engines, arch, tmp_path):
     from specrt.export.build import build
     directory, model = tiny_engines[arch]

@@ -89,7 +89,7 @@ def test_every_method_keeps_the_quantized_targets_output(quantized, method, kw):
     _, directory = quantized
     gen = Generator.from_engines(directory)
     for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5, 9, 7]):
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40).token_ids[0]
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method=method, adaptive=False, **kw).token_ids[0]
         assert out == ref, f"{method} {kw}: {out} != {ref}"
 
@@ -217,7 +217,7 @@ def smollm2_int4(default_engines, tmp_path_factory):
     """The default engine set with its target rebuilt int4 from the same exported graphs (its GGUF blocks)."""
     import shutil
     directory = tmp_path_factory.mktemp("smollm2-int4") / "engines"
-    shutil.copytree(default_engines, directory, ignore=shutil.ignore_patterns("*.ort.onnx"))
+    shutil.copytree(default_engines, directory, ignore=shutil.ignore_patterns("*.ort.onnx*"))
     build(directory, "onnxruntime", log=lambda *_: None, target_weights="int4")
     return directory
 
@@ -231,7 +231,7 @@ def test_smollm2_int4_every_method_keeps_its_own_greedy_output(smollm2_int4):
     gen = Generator.from_engines(smollm2_int4)
     assert gen.chains_only
     for prompt in load_prompts(3):
-        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        ref = gen.generate(prompt, max_new_tokens=48, method="autoregressive").token_ids[0]
         for method, kw in METHODS + [("eagle", {})]:
             out = gen.generate(prompt, max_new_tokens=48, method=method, **kw)
             assert out.token_ids[0] == ref, f"{method} {kw} on {prompt[:40]!r}"
@@ -254,7 +254,7 @@ def test_smollm2_int4_eagle_with_lookup_chains_keeps_its_own_greedy_output(smoll
     gen = Generator.from_engines(smollm2_int4)
     rows = (Path(__file__).parents[1] / "runtime" / "data" / "quote_prompts.jsonl").read_text().splitlines()
     for prompt in [json.loads(r)["prompt"] for r in rows[:2]]:
-        ref = gen.generate(prompt, max_new_tokens=48).token_ids[0]
+        ref = gen.generate(prompt, max_new_tokens=48, method="autoregressive").token_ids[0]
         out = gen.generate(prompt, max_new_tokens=48, method="eagle")
         assert out.token_ids[0] == ref and out.stats["tree_size"] == out.stats["tree_depth"]
     assert chosen[0] > 0
@@ -268,7 +268,7 @@ def test_smollm2_int4_batch_rows_equal_their_lone_runs(smollm2_int4):
     from conftest import load_prompts
     gen = Generator.from_engines(smollm2_int4)
     prompts = load_prompts(4)
-    lone = [gen.generate(p, max_new_tokens=32).token_ids[0] for p in prompts]
+    lone = [gen.generate(p, max_new_tokens=32, method="autoregressive").token_ids[0] for p in prompts]
     for method in ("autoregressive", "draft"):
         assert gen.generate(prompts, max_new_tokens=32, method=method).token_ids == lone, method
 

@@ -84,9 +84,11 @@ def test_models_and_completion(tiny):
     api = client(url)
     assert [m.id for m in api.models.list().data] == ["tiny"]
     out = api.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=12, temperature=0)
-    want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12)
+    want = gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=12, method="autoregressive")
     assert out.choices[0].token_ids == want.token_ids[0]
     assert out.choices[0].finish_reason == "length" and out.choices[0].text == ""
+    # the server's default method is auto: no tuning here, so the rule's (a draft model, no EAGLE drafter)
+    assert (out.specrt["method"], out.specrt["method_from"]) == ("draft", "rule")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 12, 15)
     # n choices, sampled with a seed: the generator's own rows for that seed (a fixed gamma: the adaptive one
     # follows timings, and with it the random draws)
@@ -212,7 +214,8 @@ def test_bad_input_answered_and_server_keeps_serving(tiny):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client(url).completions.create(model="tiny", prompt=[1], temperature=-1)
     out = client(url).completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
-    assert out.choices[0].token_ids == gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids[0]
+    assert out.choices[0].token_ids == \
+        gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, method="autoregressive").token_ids[0]
 
 
 def test_closed_stream_stops_its_generation(tiny):
@@ -223,7 +226,8 @@ def test_closed_stream_stops_its_generation(tiny):
     next(iter(stream))
     stream.close()
     out = api.completions.create(model="tiny", prompt=[3, 2, 1], max_tokens=8, temperature=0)
-    assert out.choices[0].token_ids == gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8).token_ids[0]
+    assert out.choices[0].token_ids == \
+        gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8, method="autoregressive").token_ids[0]
     deadline = time.monotonic() + 10
     while not (stopped := re.findall(r"generation stopped after (\d+) tokens", log.read_text())):
         assert time.monotonic() < deadline, log.read_text()[-2000:]
@@ -293,7 +297,10 @@ def test_failed_round_leaves_the_server_serving(fresh, default_generator):
     code, doc = post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, **FAILING})
     assert code == 500 and doc["error"]["type"] == "server_error" and re.match(FAILED, doc["error"]["message"])
 
-    others = [{"temperature": 0.8, "seed": 3}, {"temperature": 0.8}, {"temperature": 0},
+    # seeded: the same draws as generate() only by the same method with no timing-driven choices (auto may pick an
+    # adaptive method, whose rounds follow measured times)
+    others = [{"temperature": 0.8, "seed": 3, "specrt": {"method": "autoregressive"}}, {"temperature": 0.8},
+              {"temperature": 0},
               {"temperature": 0, "specrt": {"method": "ngram"}}]
     with ThreadPoolExecutor(len(others)) as pool:   # one that waits for ever times out
         answers = list(pool.map(lambda o: post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **o},
@@ -302,7 +309,8 @@ def test_failed_round_leaves_the_server_serving(fresh, default_generator):
         assert code == 200 and doc["usage"]["completion_tokens"] == 8, (options, doc)
     ids = gen.encode(PROMPT, chat=False)
     assert answers[0][1]["choices"][0]["token_ids"] == \
-        gen.generate(prompt_ids=ids, max_new_tokens=8, temperature=0.8, seed=3).token_ids[0]
+        gen.generate(prompt_ids=ids, max_new_tokens=8, temperature=0.8, seed=3,
+                     method="autoregressive").token_ids[0]
     assert answers[2][1]["choices"][0]["token_ids"] == gen.generate(prompt_ids=ids, max_new_tokens=8).token_ids[0]
 
 

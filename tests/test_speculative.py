@@ -44,7 +44,7 @@ def test_greedy_draft_equals_target_greedy(pair, self_pair, gamma):
         vocab = model.config.vocab_size
         for seed in range(3):
             prompt = torch.randint(0, vocab, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-            ref = gen.generate(prompt_ids=prompt, max_new_tokens=16).token_ids[0]
+            ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
             out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", gamma=gamma)
             assert_same_or_tie(out.token_ids[0], ref, prompt, model)
             assert out.stats["gamma"] == gamma
@@ -72,7 +72,7 @@ def test_draft_catches_up_after_plain_rounds(self_pair, monkeypatch):
     gen, _ = self_pair
     choices = iter([0, 2, 0, 0, 3, 1, 0, 4] * 10)
     monkeypatch.setattr(GammaPolicy, "choose", lambda self: next(choices))
-    ref = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24).token_ids[0]
+    ref = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=[5, 1, 7], max_new_tokens=24, method="draft")
     assert out.token_ids[0] == ref
     assert out.stats["acceptance_rate"] == 1.0
@@ -114,7 +114,7 @@ def test_prompt_lookup_is_not_charged_the_draft_models_step(pair):
 def test_ngram_greedy_equals_target_greedy(pair):
     gen, model = pair
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="ngram", gamma=3)
     assert out.stats["acceptance_rate"] is not None  # proposals happened
     assert_same_or_tie(out.token_ids[0], ref, prompt, model)

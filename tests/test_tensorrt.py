@@ -37,6 +37,22 @@ def test_static_kernel_matches_reference(B, H, Hkv, S, Smax, D):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (4, 0.0), (3, 0.6)])
+def test_static_kernel_window_and_softcap(window, softcap):
+    """The plugin's kernel with the op's `window` and `softcap` attributes (tree masks are ancestor-or-self: a
+    node's depth is its ancestors' count), against the float64 reference."""
+    from test_tree_attention import random_tree
+    rng = np.random.default_rng(window)
+    B, H, Hkv, S, Smax, D = 2, 4, 2, 6, 10, 8
+    q, k_new, v_new = (torch.from_numpy(rng.standard_normal((B, n, S, D))) for n in (H, Hkv, Hkv))
+    k_cache, v_cache = (torch.from_numpy(rng.standard_normal((B, Hkv, Smax, D)) * 3) for _ in range(2))
+    past_len = torch.tensor([0, 7])
+    tree_mask = torch.from_numpy(np.stack([random_tree(rng, S) for _ in range(B)]))
+    args = (q, k_cache, v_cache, k_new, v_new, past_len, tree_mask, D ** -0.5, window, softcap)
+    want = reference(*(a.numpy() if torch.is_tensor(a) else a for a in args))
+    np.testing.assert_allclose(tree_attention_static(*args).numpy(), want, rtol=1e-10, atol=1e-10)
+
+
 def test_static_kernel_float32_and_bool_mask_types():
     q = torch.randn(1, 2, 3, 4)
     cache = torch.randn(1, 1, 5, 4)

@@ -74,7 +74,7 @@ def test_medusa_heads_engine(tmp_path, kind):
     assert torch.equal(got[2], got[3])
     assert torch.equal(got[1], got[4]) != kw["root_token"]                      # only the root differs
     assert torch.equal(got[2, :2], got[5, :2]) and torch.equal(got[2, 2], got[5, 2]) != kw.get("sequential", False)
-    ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20).token_ids[0]
+    ref = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=[2, 4, 6], max_new_tokens=20, method="medusa")
     assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)
     run = SimpleNamespace(batch=6, hidden=hidden, last_tokens=lambda: tokens[:, 0],
@@ -129,7 +129,7 @@ def test_tree_greedy_equals_target_greedy(medusa_set, tmp_path, kw):
         kw = dict(kw, tree_choices=tmp_path / "t.json")
     for seed in range(3):
         prompt = torch.randint(0, V, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=30, adaptive=False, **kw)
         assert out.stats["tree_size"] >= 1
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
@@ -142,7 +142,7 @@ def test_plain_steps_between_tree_rounds_keep_greedy_output(medusa_set, monkeypa
     rounds = iter(range(1000))
     monkeypatch.setattr(TreePolicy, "choose", lambda self: next(rounds) % 3 == 1)
     prompt = [4, 1, 4, 1, 4]
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=30).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=30, **kw)
     assert out.stats["plain_rounds"] >= 2 * out.stats["tree_rounds"] - 1 and out.stats["tree_rounds"] >= 3
     assert_same_or_tie(out.token_ids[0], ref, prompt, model)
@@ -195,7 +195,7 @@ def test_automatic_tree_is_saved_and_used(medusa_set):
         save_tree(gen.directory, method, tree)
         fresh = Generator.from_engines(gen.directory)   # the manifest now lists the tree with its hash
         assert fresh.tree_for(method).paths == tree.paths
-        ref = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24).token_ids[0]
+        ref = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24, method="autoregressive").token_ids[0]
         out = fresh.generate(prompt_ids=[2, 4, 6], max_new_tokens=24, method=method, tree=True)
         assert out.stats["tree_size"] == tree.size - 1
         assert_same_or_tie(out.token_ids[0], ref, [2, 4, 6], model)

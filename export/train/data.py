@@ -228,7 +228,7 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
             rows = []
             for mode, temp, n, s in runs:
                 r = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=temp, seed=s,
-                                 num_return_sequences=n)
+                                 num_return_sequences=n, method="autoregressive")
                 rows += [{**p, "mode": mode, "temperature": temp, "seed": s, "ids": ids + new,
                           "prompt_len": len(ids)} for new in r.token_ids]
                 tokens += r.stats["tokens"]

@@ -24,7 +24,7 @@ CALIBRATION_PROMPTS = [
 
 def _hidden_and_truth(gen, ids: list[int], new_tokens: int):
     """The target's greedy continuation and its hidden states / draft logits along it (teacher forcing)."""
-    out = gen.generate(prompt_ids=ids, max_new_tokens=new_tokens)
+    out = gen.generate(prompt_ids=ids, max_new_tokens=new_tokens, method="autoregressive")
     seq = ids + out.token_ids[0]
     return seq, len(ids)
 

@@ -23,8 +23,30 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_entry(directory: Path, name: str) -> dict:
-    return {"file": name, "sha256": sha256_file(directory / name)}
+def external_data(path: Path) -> list[str]:
+    """The files an ONNX graph keeps its weights in (ONNX external data, relative to the graph's directory)."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    names = set()
+    graphs = [model.graph]
+    while graphs:
+        g = graphs.pop()
+        tensors = [*g.initializer, *(a.t for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR)]
+        for t in tensors:
+            names.update(e.value for e in t.external_data if e.key == "location")
+        graphs += [a.g for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    return sorted(names)
+
+
+def file_entry(directory: Path, name: str, data: bool = True) -> dict:
+    """{"file", "sha256"}, and for an ONNX graph with external data "data": the entries of its data files (`data`
+    False: not listed, for graphs that share data files listed with another entry)."""
+    directory = Path(directory)
+    entry = {"file": name, "sha256": sha256_file(directory / name)}
+    files = external_data(directory / name) if data and name.endswith(".onnx") else []
+    if files:
+        entry["data"] = [{"file": f, "sha256": sha256_file(directory / f)} for f in files]
+    return entry
 
 
 def logits_width(spec: dict) -> int:
@@ -56,12 +78,15 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def check_file(directory: Path, entry: dict, what: str) -> Path:
-    """The file an entry names, after checking it exists and its sha256 matches."""
+    """The file an entry names, after checking that it and its data files (a graph's external weights) exist and
+    that their sha256 match."""
     path = Path(directory) / entry["file"]
-    if not path.is_file():
-        raise ManifestError(f"{what}: {path} is listed in the manifest but missing; re-run `specrt build {directory}`")
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        raise ManifestError(f"{what}: {path} has sha256 {digest[:12]}…, the manifest says {entry['sha256'][:12]}…; "
-                            f"the file was changed after it was built. Re-run `specrt export` and `specrt build`")
+    for e, kind in [(entry, what), *((d, f"{what}'s weights") for d in entry.get("data", []))]:
+        f = Path(directory) / e["file"]
+        if not f.is_file():
+            raise ManifestError(f"{kind}: {f} is listed in the manifest but missing; re-run `specrt build {directory}`")
+        digest = sha256_file(f)
+        if digest != e["sha256"]:
+            raise ManifestError(f"{kind}: {f} has sha256 {digest[:12]}…, the manifest says {e['sha256'][:12]}…; "
+                                f"the file was changed after it was built. Re-run `specrt export` and `specrt build`")
     return path

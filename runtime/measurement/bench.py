@@ -333,9 +333,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
 
 
 def _runnable(gen, method: str, notes: list[str]) -> bool:
-    from specrt.decoding.generate import METHODS
-    if method not in METHODS and method not in TREE_METHODS:
-        raise InputError(f"--methods {method!r}: choose from {', '.join(METHODS + tuple(TREE_METHODS))}")
+    from specrt.decoding.generate import AUTO, METHODS
+    if method not in METHODS and method not in TREE_METHODS and method != AUTO:
+        raise InputError(f"--methods {method!r}: choose from {', '.join((AUTO, *METHODS, *TREE_METHODS))}")
     if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
         notes.append(f"{method} skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
         return False

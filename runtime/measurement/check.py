@@ -53,7 +53,7 @@ def next_token_logits(gen, ids: list[int]) -> torch.Tensor:
 def check_greedy(gen, prompts: list[list[int]], method: str, max_new_tokens: int, **kw) -> list[dict]:
     rows = []
     for ids in prompts:
-        ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        ref = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method=method, adaptive=False,
                            **kw).token_ids[0]
         diverge = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
@@ -124,8 +124,8 @@ def compare_engines(gen, other, prompts: list[list[int]], max_new_tokens: int) -
     Speculation is lossless with respect to the target it runs, so this is the whole cost of quantizing it."""
     rows = []
     for ids in prompts:
-        a = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
-        b = other.generate(prompt_ids=ids, max_new_tokens=max_new_tokens).token_ids[0]
+        a = gen.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
+        b = other.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="autoregressive").token_ids[0]
         diverge = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         row = {"prompt_tokens": len(ids), "tokens": min(len(a), len(b)), "identical": a == b,
                "diverged_at": diverge}

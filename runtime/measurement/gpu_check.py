@@ -195,7 +195,7 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     for ids in prompts:
         key = tuple(ids)
         if key not in refs:
-            refs[key] = reference.generate(prompt_ids=ids, max_new_tokens=n).token_ids[0]
+            refs[key] = reference.generate(prompt_ids=ids, max_new_tokens=n, method="autoregressive").token_ids[0]
         ref = refs[key]
         out = candidate.generate(prompt_ids=ids, max_new_tokens=n, **kw)
         got = out.token_ids[0]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specrt.decoding.adaptive import Costs, TreePolicy
-from specrt.decoding.eagle import DECAY, _best_size, level_pays
+from specrt.decoding.eagle import DECAY, Figures, _best_size, level_pays
 from specrt.errors import InputError
 
 FORMAT = 1
@@ -95,26 +95,29 @@ def project(trace: dict, costs: Costs, draft_s: float, host_s: float, plain_host
     every round grows every level and verifies its whole tree (EAGLE-2 as published)."""
     plain = costs.pass_time(1) + plain_host_s
     policy = TreePolicy()                 # a tree round or a plain step, from the rates measured so far
-    accepted = predicted = 1.0            # the scores' calibration, decayed as the drafter's
+    figures = Figures()                   # the scores' calibration, decayed as the drafter's
     tokens = seconds = 0.0
     trees = 0
     starts = set(np.cumsum([0] + trace["prompts"][:-1]).tolist())
     for i, (kind, scores, depths, got) in enumerate(trace["rounds"]):
-        if i in starts:   # a request: the tree policy starts from the last one's figures, the drafter anew
-            policy, accepted, predicted = policy.following(), 1.0, 1.0
+        if i in starts:   # a request: the tree policy and the calibration start from the last one's figures
+            policy, figures = policy.following(), figures.following()
         if adaptive and not policy.choose():
             policy.update(False, 1.0, plain)
             tokens, seconds = tokens + 1, seconds + plain
             continue
         scores, lookup = np.asarray(scores, np.float64), kind == "lookup"
-        p = np.minimum(scores * (1.0 if lookup else accepted / predicted), 1.0)
+        scale = figures.calibration[0] / figures.calibration[1]
+        p = np.minimum(scores * (1.0 if lookup else scale), 1.0)
         made, spent, chosen = _round(p, np.asarray(depths), got, costs, draft_s, trace["shape"], adaptive, lookup)
         spent += host_s
         tokens, seconds, trees = tokens + made, seconds + spent, trees + 1
         policy.update(True, made, spent)
         if not lookup:
-            accepted = DECAY * accepted + made - 1
-            predicted = DECAY * predicted + float(scores[chosen].sum())
+            (accepted, predicted), (promised, count) = figures.calibration, figures.promise
+            forecast = float(scores[chosen].sum())
+            figures.calibration = [DECAY * accepted + made - 1, DECAY * predicted + forecast]
+            figures.promise = [DECAY * promised + scale * forecast, DECAY * count + 1]
     rounds = max(1, len(trace["rounds"]))
     return {"speedup": round(float(tokens / seconds * plain), 4) if seconds else None,
             "tokens_per_round": round(tokens / rounds, 4), "tree_rounds": round(trees / rounds, 4)}

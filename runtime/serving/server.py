@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
-from specrt.decoding.generate import MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
+from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
 
 log = logging.getLogger("specrt.serving.server")
 
@@ -50,7 +50,7 @@ SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running request
 class SpecrtOptions(BaseModel):
     """The `specrt` extension field of a request: how to speculate (generate()'s keyword arguments)."""
     model_config = ConfigDict(extra="forbid")
-    method: Literal[METHODS] | None = None          # default: the server's --method
+    method: Literal[(AUTO, *METHODS)] | None = None  # default: the server's --method
     top_k: int = Field(0, ge=0)
     gamma: int | None = Field(None, ge=1, le=64)
     tree: bool = False
@@ -361,21 +361,22 @@ class Scheduler:
 class Server:
     """One generator, its scheduler, the answers."""
 
-    def __init__(self, gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8):
+    def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8):
         self.gen, self.model_name = gen, model_name
-        self.methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
+        self.methods = [AUTO] + [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
         if max_batch < 1:
             raise InputError(f"max batch {max_batch}: must be at least 1")
         self.method = method
-        if gen.has(method):   # the default method's drafter now (its load errors too), the others at first use
-            getattr(gen, method)
+        greedy = gen.method_for(method, greedy=True)[0]   # what the default runs for greedy requests
+        if gen.has(greedy):   # its drafter now (its load errors too), the others at first use
+            getattr(gen, greedy)
         self.max_len = gen.max_len
         # the most characters a prompt that fits can have: every token covers at most the longest token's
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.scheduler = Scheduler(gen, max_batch, measure=method != "autoregressive")
+        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive")
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
@@ -514,7 +515,7 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": options["method"], "choices": [ends[i][1] for i in range(req.n)]}}
+                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": ends[0][1]["method"], "choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         if req.stream:
@@ -597,7 +598,7 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
 # ---- the app -------------------------------------------------------------------------------------------------------
 
 
-def create_app(gen: Generator, model_name: str, method: str = "autoregressive", max_batch: int = 8) -> FastAPI:
+def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8) -> FastAPI:
     server = Server(gen, model_name, method, max_batch)
 
     @asynccontextmanager
@@ -662,7 +663,7 @@ def create_app(gen: Generator, model_name: str, method: str = "autoregressive", 
 
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          method: str = "autoregressive", device: str = "auto", threads: int | None = None,
+          method: str = AUTO, device: str = "auto", threads: int | None = None,
           max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
     gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)

@@ -1,0 +1,364 @@
+"""A batch of rows decoded together, round by round (continuous batching), and the streaming detokenizer."""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import torch
+
+from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
+from specrt.engines.base import StepOutput
+from specrt.decoding.drafters import _arange, chain_mask
+from specrt.decoding.eagle import Figures
+from specrt.errors import InputError
+from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
+from specrt.decoding.run import AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, Generation, _Joining, _Row, _Run
+
+
+class Batch:
+    """Sequences decoded together, round by round, over one set of engines (continuous batching): `add` a
+    request's prompt between rounds (it is prefilled on its own and joins the next round), or `join` it and run its
+    prefill passes one `prefill` call at a time between the rounds (chunked prefill: a long prompt does not stall
+    the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
+    rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
+    stop. Speculation follows the batch size: with several rows live, a round speculates only where the measured
+    pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
+    free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
+    on it."""
+
+    def __init__(self, gen: "Generator", capacity: int, cache_len: int | None = None, *, method: str = AUTO,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
+                 tree_choices=None, adaptive: bool = True):
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        method, self.method_from = gen.method_for(method, params.greedy)
+        gen._check_request(method, gamma)
+        if capacity < 1:
+            raise InputError(f"batch capacity {capacity}: must be at least 1")
+        self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
+        figures = None
+        if method == "eagle" and adaptive:   # EAGLE's calibration: from the last request of its regime
+            last = gen._eagle_figures.get(params.greedy)
+            figures = gen._eagle_figures[params.greedy] = last.following() if last else Figures()
+        self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive, figures)
+        self.tree = getattr(self.drafter, "tree", None)
+        max_len = gen.max_len
+        # cache slots a round may write from the pending token's on (EAGLE's expansion passes can need more)
+        self.span = (getattr(self.drafter, "span", self.tree.size) if self.tree is not None
+                     else (gamma or MAX_GAMMA) + 1)
+        cache_len = min(max_len, (cache_len or max_len) + self.span)
+        self.policy = None
+        if self.drafter and adaptive and gamma is None and self.tree is None:
+            # the acceptance expected at first: what the last request of this kind measured
+            last = gen._gamma_policies.get((method, params.greedy))
+            self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
+                self._chain_costs(1), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
+        self.trees = None
+        if self.tree is not None and adaptive:   # trees or plain steps: from what the last request measured
+            last = gen._tree_policies.get((method, params.greedy))
+            self.trees = gen._tree_policies[(method, params.greedy)] = last.following() if last else TreePolicy()
+        self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)
+        if getattr(self.drafter, "costs", None) is not None:
+            self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
+        self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
+                        gen._pool(capacity, cache_len))
+        self.joining: collections.deque[_Joining] = collections.deque()   # oldest first, in rows after the live
+        gen.engine_time = 0.0
+
+    # ---- rows in and out ----------------------------------------------------------------------------------
+    def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+        """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
+        self.join(ids, max_new_tokens, owner, copies)
+        while self.joining:
+            self.prefill()
+
+    def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+        """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
+        (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
+        copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
+        the caller's handle for the rows, or a sequence of one per row. Bad requests are refused here."""
+        self.joining.append(self._reserve(ids, max_new_tokens, owner, copies))
+
+    @property
+    def taken(self) -> int:
+        """Rows that are live or held by joining requests."""
+        return self.run.batch + sum(j.copies for j in self.joining)
+
+    def prefill(self) -> StepOutput | None:
+        """The next prefill pass of the oldest joining request (none: nothing is done); after its last pass its
+        rows go live. Returns that pass (its buffers valid until the next pass) once they have, else None."""
+        if not self.joining:
+            return None
+        out = self._prefill(self.joining[0])
+        if out is not None:
+            self.joining.popleft()
+        return out
+
+    def _reserve(self, ids: list[int], max_new_tokens: int, owner, copies: int) -> _Joining:
+        """Check a request and take rows for it after the live and joining ones, its prompt in their tokens."""
+        run = self.run
+        m = len(ids)
+        if m >= run.max_len:
+            raise InputError(f"prompt of {m} tokens does not fit the engine's maximum sequence length {run.max_len} "
+                             "(it needs room for one new token): shorten the prompt or re-export with a larger "
+                             "--max-seq-len")
+        if m >= run.cache_len or max_new_tokens < 1:
+            raise InputError(f"prompt of {m} tokens and max_new_tokens {max_new_tokens}: the batch holds "
+                             f"{run.cache_len} positions per row, and at least one new token is needed")
+        if self.taken + copies > run.capacity:
+            raise InputError(f"{copies} more sequences do not fit the batch: {self.taken} of {run.capacity} rows "
+                             "are taken")
+        owners = list(owner) if isinstance(owner, (list, tuple, range)) else [owner] * copies
+        if self._end() + copies > run.capacity:   # rows freed below the joining ones: close the gaps
+            self._place()
+        joining = _Joining(list(ids), max_new_tokens, owners, self._end(), None)
+        self._tokens_to(joining, joining.row)
+        joining.cache.truncate(0)
+        return joining
+
+    def _end(self) -> int:
+        """The first row after the live and joining ones."""
+        last = self.joining[-1] if self.joining else None
+        return last.row + last.copies if last else self.run.batch
+
+    def _place(self) -> None:
+        """Each joining request in the first rows after the live ones and the requests before it (rows freed since
+        it came): its row so far (prompt tokens, target and drafter caches) moves there."""
+        r = self.run.batch
+        for j in self.joining:
+            if j.row != r:
+                src = j.row
+                self._tokens_to(j, r)
+                if j.done:
+                    self.run.pool.copy_row(src, r, j.done)
+                    if self.drafter is not None:
+                        self.drafter.move(src, r, j.done)
+            r += j.copies
+
+    def _tokens_to(self, j: _Joining, row: int) -> None:
+        """Request j's rows start at `row` from now: its prompt in their tokens, its prefill in `row`'s cache."""
+        run, m = self.run, len(j.ids)
+        run._host_tokens[row:row + j.copies, :m] = j.ids
+        if run.device.type != "cpu":
+            run._tokens[row:row + j.copies].copy_(torch.from_numpy(run._host_tokens[row:row + j.copies]))
+        j.row, j.cache = row, run.pool.row(row)
+
+    def _prefill(self, j: _Joining) -> StepOutput | None:
+        """The next chunk of a joining request's prompt through the target (its last position's logits only) and
+        the drafter, into its row; after the last chunk its rows join. Returns the last chunk's pass once they
+        have (its buffers valid until the next pass), None before."""
+        run, gen = self.run, self.gen
+        m, start, dev = len(j.ids), j.done, run.device
+        # the odd-sized chunk first: the passes over the longest context, the largest, then share one shape (the
+        # engines' allocators reuse their buffers rather than adding new ones for a last, smaller pass)
+        S = (m - start - 1) % gen.prefill_chunk + 1
+        if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
+            run.hidden = run.hidden.clone()
+        prompt = run.prompt(j.row, m)                                                   # (1, m)
+        out = gen._timed(gen.target, j.cache, prompt[:, start:start + S], (start + _arange(S, dev))[None],
+                         chain_mask(1, S, dev), 1)
+        j.cache.write(out.new_kv)
+        j.cache.past_len += S
+        j.done += S
+        if self.drafter is not None:
+            self.drafter.prefill(run, j.row, prompt, start, out.hidden)
+        if j.done < m:
+            return None
+        self._join(j, out)
+        return out
+
+    def _join(self, j: _Joining, out) -> None:
+        """A request's prompt is in its row (`out`: the target's pass over its last chunk): the rows go live, each
+        samples its first token."""
+        run, gen = self.run, self.gen
+        r, m, copies = run.batch, len(j.ids), j.copies
+        if j.row != r:   # rows retired while it was prefilled
+            self._place()
+        run.rows += [_Row(o, m, j.max_new) for o in j.owners]
+        run.resize(r + copies)
+        run.host_lengths[r:], run.active[r:] = m, True
+        if run.device.type != "cpu":
+            run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
+        for c in range(1, copies):
+            run.pool.copy_row(r, r + c, m)
+        logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
+        first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        hidden = out.hidden[:, -1].expand(copies, -1)
+        run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
+        if self.drafter is not None:
+            self.drafter.join(run, r, copies)
+        zero = torch.zeros(copies, 1, dtype=torch.int64, device=run.device)
+        gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
+
+    def cancel(self, which: Callable[[object], bool]) -> None:
+        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them. Joining
+        requests whose owners it all picks leave the queue (their rows are free again)."""
+        for b, row in enumerate(self.run.rows):
+            if which(row.owner) and self.run.active[b]:
+                self.run.active[b], row.stop_reason = False, "cancelled"
+        self.joining = collections.deque(j for j in self.joining if not all(map(which, j.owners)))
+
+    def retire(self) -> list[tuple[_Row, list[int]]]:
+        """The finished rows and their new tokens, taken out of the batch: the last live rows move into the freed
+        ones (their caches, the drafter's state and the host rows), so that the live rows stay first."""
+        run = self.run
+        active = run.active.tolist()
+        if all(active):
+            return []
+        done = [b for b, a in enumerate(active) if not a]
+        finished = [(run.rows[b], run.output(b)) for b in done]
+        live = [b for b in range(run.batch) if run.active[b]]
+        n = len(live)
+        hidden = run.hidden.clone()
+        for dst, src in zip((b for b in done if b < n), (b for b in live if b >= n)):
+            count = int(run.host_lengths[src])
+            run.pool.copy_row(src, dst, count)
+            run.host_tokens[dst, :count] = run.host_tokens[src, :count]
+            run.host_lengths[dst], run.active[dst], run.rows[dst] = count, True, run.rows[src]
+            hidden[dst] = hidden[src]
+            if self.drafter is not None:
+                self.drafter.move(src, dst, count)
+        run.active[n:] = False
+        del run.rows[n:]
+        run.hidden = hidden[:n]
+        run.resize(n)
+        if run.device.type != "cpu" and n:
+            run.tokens.copy_(torch.from_numpy(run.host_tokens))
+            run.lengths.copy_(torch.from_numpy(run.host_lengths))
+        return finished
+
+    # ---- a round ------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One round over the live rows: propose, verify, accept, commit."""
+        run, gen, drafter, tree = self.run, self.gen, self.drafter, self.tree
+        active = run.active.tolist()   # host lists, not numpy reductions: see _verify
+        live = active.count(True)
+        if not live:
+            return
+        began, n = time.perf_counter(), run.batch
+        timed = True
+        if tree is not None:   # a tree round needs cache room for its span, else a plain step
+            g = tree.max_depth if gen._room(run) >= self.span - 1 else 0
+            if g and self.trees is not None:
+                timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time
+                g = g if timed and self.trees.choose() else 0
+        elif drafter is None:
+            g = 0
+        else:
+            if self.policy is not None and n != self._costs_for:   # the costs at this batch size
+                self.policy.costs, self._costs_for = self._chain_costs(n), n
+            g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
+            g = gen._fit_gamma(run, g) if g else 0
+        proposal = drafter.propose(run, g) if drafter and g else run.inputs(run.batch, 1).empty
+        taking_part = [row for row, a in zip(run.rows, active) if a]
+        accepted, proposed = gen._account(run, gen._verify(run, proposal))
+        if drafter is not None:
+            drafter.observe(run)
+        run.rounds += 1
+        for row in taking_part:
+            row.rounds += 1
+        counts = run.by_batch.setdefault(n, [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + (g > 0)
+        if self.policy:
+            self.policy.update(accepted, proposed)
+        if self.trees and timed:
+            self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+
+    def _chain_costs(self, n: int) -> Costs:
+        """What a chain round costs with n rows live: the target's passes and, for the draft model, its step;
+        prompt lookup drafts on the host in microseconds (charged the draft model's step, 5 % of a target pass on
+        float32 and 15 % on int4, its mean γ came out 0.3–0.65 lower and its decoding 1–3 % slower)."""
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=self.method == "draft")
+        return costs if self.method == "draft" else Costs(0.0, costs.verify)
+
+    def _tree_pays(self, n: int) -> bool:
+        """With n rows live, whether a tree's verify pass (n × its size) costs less than the tokens it adds: the
+        tokens per tree round measured so far (2 before any), against the pass times measured at that size."""
+        if n == 1:
+            return True
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=False)
+        tokens = self.trees.mean("tokens") if self.trees.tree_rounds > 1 else 2.0
+        return tokens * costs.pass_time(1) >= costs.pass_time(self.tree.size)
+
+    # ---- results ------------------------------------------------------------------------------------------
+    def row_stats(self, row: _Row, tokens: int) -> dict:
+        """One sequence's figures (the server's per-request `specrt` field)."""
+        return {"method": self.method, "method_from": self.method_from, "tokens": tokens, "rounds": row.rounds,
+                "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
+                "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
+                "stop_reason": row.stop_reason}
+
+    def batch_rounds(self) -> dict:
+        """Rounds by live rows since the batch began, and how many of them speculated."""
+        return {n: {"rounds": r, "speculative": s} for n, (r, s) in sorted(self.run.by_batch.items())}
+
+    def stats(self) -> dict:
+        """The batch's figures since it began."""
+        run = self.run
+        stats = {
+            "method": self.method,
+            "method_from": self.method_from,
+            "rounds": run.rounds,
+            "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
+            "acceptance_per_position": [a / p for a, p in run.per_position],
+            "engine_time_s": self.gen.engine_time,
+            "gamma": self.gamma if self.gamma is not None else (
+                self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
+            "batch_rounds": self.batch_rounds(),
+        }
+        tree, trees, policy = self.tree, self.trees, self.policy
+        if tree is not None:
+            stats.update(tree_size=tree.size - 1, tree_depth=tree.max_depth, gamma=tree.max_depth,
+                         mean_accepted_length=run.accepted / max(1, run.proposed) * tree.max_depth)
+        if trees is not None:
+            stats.update(tree_rounds=trees.tree_rounds, plain_rounds=run.rounds - trees.tree_rounds)
+        if policy is not None:
+            stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
+            stats["plain_rounds"] = policy.chosen.count(0)
+        if self.method == "draft" or policy is not None:
+            costs = policy.costs if policy is not None else self.gen.costs()
+            alpha = stats["acceptance_rate"]
+            g = stats["gamma"] or 1
+            stats["cost_ratio_c"] = costs.c if self.method == "draft" else 0.0
+            stats["predicted_speedup"] = costs.predicted_speedup(alpha, g) if alpha is not None else None
+        return stats
+
+    def result(self, outputs: list[tuple[_Row, list[int]]], wall: float, prefill: float) -> Generation:
+        """generate()'s Generation from the retired rows, in the callers' order."""
+        rows, new = [r for r, _ in outputs], [t for _, t in outputs]
+        total, row_rounds = sum(map(len, new)), sum(r.rounds for r in rows)
+        stats = {"tokens": total, **self.stats(),
+                 "mean_tokens_per_round": (total - len(rows)) / row_rounds if row_rounds else None,
+                 "tokens_per_s": total / wall if wall > 0 else None,
+                 "loop_time_s": wall - self.gen.engine_time,
+                 "prefill_time_s": prefill,
+                 "stop_reason": rows[0].stop_reason if len(rows) == 1 else None,
+                 "stop_reasons": [r.stop_reason for r in rows]}
+        text = None
+        if self.gen.tokenizer is not None:
+            text = [self.gen.tokenizer.decode(t, skip_special_tokens=True) for t in new]
+        return Generation(new, text, stats)
+
+
+class Detokenizer:
+    """Text of a growing token sequence, piece by piece: a multi-byte character split across tokens waits for its
+    last byte."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def feed(self, ids: list[int], final: bool = False) -> str | None:
+        """The text the new ids complete (None without a tokenizer)."""
+        self.ids += ids
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        new, self.shown = text[len(self.shown):], text
+        return new

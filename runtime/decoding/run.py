@@ -1,0 +1,184 @@
+"""The state of a generation: its rows, their tokens and caches, and what a request gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specrt.decoding import tuning
+from specrt.decoding.drafters import PassInputs
+from specrt.decoding.sampling import SamplingParams
+
+
+METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
+AUTO = tuning.AUTO   # the method the engine set's tuning chose for the regime, else tuning.rule's
+MAX_GAMMA = 8
+MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size
+PREFILL_CHUNK = 512       # prompt tokens per prefill pass (see Generator)
+
+
+@dataclass
+class Generation:
+    token_ids: list[list[int]]      # new tokens, one list per returned sequence
+    text: list[str] | None          # decoded, when the engine set has a tokenizer
+    stats: dict
+
+
+@dataclass
+class Chunk:
+    """What one round of a streamed generation adds (`Generator.stream`)."""
+    token_ids: list[int]            # the new tokens
+    text: str | None                # the text they complete (None without a tokenizer)
+    stats: dict | None = None       # on the last chunk: generate()'s stats
+
+
+@dataclass
+class _Joining:
+    """A request on its way into a batch: its prompt is prefilled chunk by chunk into row `row` (its copies take the
+    rows after it at the end), which no round reads until it joins (Batch.prefill)."""
+    ids: list[int]
+    max_new: int
+    owners: list
+    row: int
+    cache: object                   # the target cache's row `row` (a KVCache view)
+    done: int = 0                   # prompt positions prefilled so far
+
+    @property
+    def copies(self) -> int:
+        return len(self.owners)
+
+
+@dataclass
+class _Row:
+    """One sequence of a batch: its request's bookkeeping, host side."""
+    owner: object                   # the caller's handle (generate(): the sequence's index)
+    prompt_len: int
+    max_new: int
+    stop_reason: str | None = None  # set when it finishes: eos, max_new_tokens, max_seq_len, cancelled
+    sent: int = 0                   # new tokens already handed out (Batch.new_tokens)
+    rounds: int = 0                 # rounds it took part in, and its drafts in them
+    accepted: int = 0
+    proposed: int = 0
+
+
+class _Run:
+    """The state of a batch: up to `capacity` rows, each a sequence with its own prompt, length and stop, the
+    live ones first (rows 0 .. batch−1). Rows join at round boundaries (each prompt prefilled on its own) and
+    leave when they finish: the last live rows move into the freed ones, so that passes run over live rows
+    only. `tokens` and `lengths` live on the engines' device; `host_tokens`, `host_lengths` and `active` are the
+    host's, updated once a round from the one host read (see Generator._commit) and copied to the device (on
+    the CPU they share memory). The attributes without a leading underscore are views of the live rows."""
+
+    def __init__(self, capacity: int, max_len: int, cache_len: int, params: SamplingParams, stop_ids, cache):
+        device = cache.data.device
+        self.capacity, self.max_len, self.cache_len = capacity, max_len, cache_len
+        self.params, self.stop_ids, self.pool = params, frozenset(stop_ids), cache
+        self.generator = params.generator(device)
+        self._host_tokens = np.zeros((capacity, max_len), np.int64)
+        self._host_lengths = np.zeros(capacity, np.int64)
+        self._active = np.zeros(capacity, bool)
+        # on the CPU the device tensors share the mirrors' memory (from_numpy); elsewhere they are copies
+        self._tokens = torch.from_numpy(self._host_tokens).to(device)
+        self._lengths = torch.from_numpy(self._host_lengths).to(device)
+        self.rows: list[_Row] = []
+        self._hidden: torch.Tensor | None = None       # see hidden
+        self._path_hidden: torch.Tensor | None = None  # see path_hidden
+        self._pass: tuple | None = None                # the last verify pass's features, accepted path and counts
+        self.host_pass: tuple | None = None            # its accepted paths' node ids and counts, host lists
+        self._hidden_rows: dict[int, torch.Tensor] = {}  # B -> hidden's buffer on the CPU's host path
+        self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
+        self.rounds = self.proposed = self.accepted = 0
+        self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
+        self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
+        self._inputs: dict[tuple[int, int], PassInputs] = {}
+        self.resize(0)
+
+    def inputs(self, B: int, S: int) -> PassInputs:
+        """A verify pass's inputs for B rows of S tokens, made once per shape (see PassInputs)."""
+        got = self._inputs.get((B, S))
+        if got is None:
+            got = self._inputs[(B, S)] = PassInputs(B, S, self.device)
+        return got
+
+    def after_pass(self, out, path, n) -> None:
+        """A verify pass ran: its StepOutput (features (B, S, d)), the accepted path's node ids (B, D+1) (None for
+        a chain: the pass's own order) and accepted counts (B,), as device tensors or host lists. path_hidden and
+        hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
+        self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
+        self.host_pass = (path, n) if isinstance(n, list) else None   # a device pass's: from the round's read
+
+    @property
+    def last_pass(self) -> tuple:
+        """The last verify pass: its StepOutput, accepted path and counts (host lists on the CPU's host path)."""
+        return self._pass
+
+    def _device(self, a) -> torch.Tensor:
+        return a if isinstance(a, torch.Tensor) else torch.tensor(a, device=self.device)
+
+    @property
+    def path_hidden(self) -> torch.Tensor | None:
+        """(B, D+1, d) the target's hidden states along the last accepted path, root first."""
+        if self._path_hidden is None and self._pass is not None:
+            feats, path = self._pass[0].hidden, self._pass[1]
+            self._path_hidden = feats if path is None else \
+                feats.gather(1, self._device(path)[..., None].expand(-1, -1, feats.shape[-1]))
+        return self._path_hidden
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """(B, d) the target's hidden state at each row's last accepted position (Medusa's input)."""
+        if self._hidden is None and self._pass is not None:
+            out, path, n = self._pass
+            if isinstance(n, list) and out.host is not None:   # the CPU's host path: a row copy each
+                feats, B = out.host_hidden(), len(n)
+                if B not in self._hidden_rows:
+                    self._hidden_rows[B] = torch.zeros(B, feats.shape[-1], device="cpu")
+                self._hidden = self._hidden_rows[B]
+                host = self._hidden.numpy()
+                for b, k in enumerate(n):
+                    host[b] = feats[b, k if path is None else path[b][k]]
+            else:
+                n = self._device(n)
+                self._hidden = self.path_hidden[torch.arange(len(n), device=n.device), n]   # a copy
+        return self._hidden
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor) -> None:
+        self._hidden, self._path_hidden, self._pass, self.host_pass = value, None, None, None
+
+    def resize(self, n: int) -> None:
+        self.host_tokens, self.host_lengths = self._host_tokens[:n], self._host_lengths[:n]
+        self.active, self.tokens, self.lengths = self._active[:n], self._tokens[:n], self._lengths[:n]
+        self.cache = self.pool.prefix(n)
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @property
+    def device(self) -> torch.device:
+        return self._tokens.device
+
+    def prompt(self, row: int, m: int) -> torch.Tensor:
+        """(1, m) the first m tokens of row `row`, on the device: a joining request's prompt, live or not."""
+        return self._tokens[row:row + 1, :m]
+
+    def last_tokens(self) -> torch.Tensor:
+        """(B,) each row's last committed token."""
+        return self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0]
+
+    def host_last_tokens(self) -> list[int]:
+        """Each row's last committed token, from the host mirrors."""
+        return [int(self.host_tokens[b, n - 1]) for b, n in enumerate(self.host_lengths.tolist())]
+
+    def new_tokens(self, b: int) -> list[int]:
+        """Row b's tokens since the last call for it."""
+        row = self.rows[b]
+        start, end = row.prompt_len + row.sent, int(self.host_lengths[b])
+        row.sent = end - row.prompt_len
+        return self.host_tokens[b, start:end].tolist()
+
+    def output(self, b: int) -> list[int]:
+        """Row b's new tokens so far."""
+        return self.host_tokens[b, self.rows[b].prompt_len:self.host_lengths[b]].tolist()

@@ -1,0 +1,107 @@
+"""`specrt tune ENGINES`: which method is fastest on this machine, and what lets a new process start warm.
+
+Measures, in one process: the tree shapes (as `tune-tree` does: EAGLE's dynamic tree, the Medusa heads' tree; on
+float32 targets), the target's pass times by batch size and width, then every method the engine set can run on
+calibration prompts (never the benchmark set), greedy and sampled, alternating the methods prompt by prompt so
+that a slow spell of a shared machine falls on all of them. Records the fastest per regime and what the runs left
+the adaptive policies in the engine directory (specrt.decoding.tuning); `--method auto` uses it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specrt.decoding import tuning
+from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
+from specrt.decoding.generate import MAX_GAMMA, METHODS, Generator
+from specrt.engines.manifest import read_manifest
+from specrt.errors import InputError
+
+
+@dataclass
+class TuneConfig:
+    prompts: int = 2                  # calibration prompts each method decodes per regime
+    new_tokens: int = 40              # tokens per prompt
+    temperature: float = 0.7          # the sampled regime's
+    batches: tuple[int, ...] = (1, 2, 4, 8)   # batch sizes whose pass times are recorded (8: serve's default)
+    trees: bool = True                # choose the tree shapes first, as tune-tree does
+    margin: float = 0.03              # the rule's method stays unless another was faster by more than this
+    device: str = "auto"
+    threads: int | None = None
+
+
+def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tuning.Tuning:
+    """Measure and record the engine set's tuning for this machine; returns it."""
+    if not 1 <= cfg.prompts <= len(CALIBRATION_PROMPTS) or cfg.new_tokens < 1:
+        raise InputError(f"--prompts {cfg.prompts} and --max-new-tokens {cfg.new_tokens}: need 1 to "
+                         f"{len(CALIBRATION_PROMPTS)} calibration prompts and at least one token")
+    began = time.perf_counter()
+    gen = Generator.from_engines(directory, cfg.device, cfg.threads, warm=False)
+    prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS[:cfg.prompts]] if gen.tokenizer is not None else
+               [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(cfg.prompts)])
+    if cfg.trees and not gen.chains_only:
+        _trees(gen, prompts, log)
+    for b in cfg.batches:   # the passes a request or a server's batch would otherwise time first
+        gen.costs(b, upto=64 if b == 1 else MAX_GAMMA + 1)
+        if gen.has("eagle"):
+            gen.eagle_costs(b, gen.eagle_shape())
+    methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
+    speeds, acceptance = {}, {}
+    for regime in tuning.REGIMES:
+        temperature = 0.0 if regime == "greedy" else cfg.temperature
+        speeds[regime], acceptance[regime] = _race(gen, methods, prompts, cfg.new_tokens, temperature)
+    rule = tuning.rule(gen)
+    chosen = {r: _fastest(speeds[r], rule, cfg.margin) for r in tuning.REGIMES}
+    for r in tuning.REGIMES:
+        line = ", ".join(f"{m} {v:.1f}" for m, v in sorted(speeds[r].items(), key=lambda kv: -kv[1]))
+        log(f"{r}: tokens/s {line} -> {chosen[r]}")
+    result = tuning.Tuning(machine=gen.machine, engines=tuning.engine_hashes(gen.manifest), methods=chosen, speeds=speeds,
+                           acceptance=acceptance, measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           **gen.measured())
+    path = tuning.save(gen.directory, result)
+    log(f"recorded {path} ({time.perf_counter() - began:.0f} s)")
+    return result
+
+
+def _trees(gen: Generator, prompts: list[list[int]], log) -> None:
+    """The tree shapes as tune-tree chooses them (on fewer tokens: the whole tuning takes about a minute on 2
+    cores), recorded in the manifest and in the generator's copy of it."""
+    if gen.has("eagle"):
+        from specrt.decoding.eagle import save_shape, tune as tune_shape
+        shape = tune_shape(gen, prompts, new_tokens=24, log=log)
+        save_shape(gen.directory, shape)
+        gen.manifest["models"]["eagle"]["dynamic_tree"] = asdict(shape)
+        log(f"EAGLE tree shape {shape}")
+    if gen.has("medusa"):
+        save_tree(gen.directory, "medusa", calibrate(gen, "medusa", prompts, log=log))
+        gen.manifest["trees"] = read_manifest(gen.directory)["trees"]
+
+
+def _race(gen: Generator, methods: list[str], prompts: list[list[int]], new_tokens: int,
+          temperature: float) -> tuple[dict[str, float], dict[str, list]]:
+    """Tokens per second of each method over the prompts (the methods' order rotating from prompt to prompt, each
+    method warmed up first: a drafter loads at its first use), and each speculative method's acceptance per draft
+    position over them."""
+    kw = dict(max_new_tokens=new_tokens, temperature=temperature)
+    for m in methods:
+        gen.generate(prompt_ids=prompts[0], method=m, **dict(kw, max_new_tokens=8))
+    tokens, seconds, per_position = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0), {}
+    for i, ids in enumerate(prompts):
+        for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+            t = time.perf_counter()
+            out = gen.generate(prompt_ids=ids, method=m, **kw)
+            seconds[m] += time.perf_counter() - t
+            tokens[m] += out.stats["tokens"]
+            per_position.setdefault(m, []).append(out.stats["acceptance_per_position"])
+    acceptance = {m: [round(sum(r[d] for r in rows if len(r) > d) / sum(len(r) > d for r in rows), 4)
+                      for d in range(max(map(len, rows)))]
+                  for m, rows in per_position.items() if any(rows)}
+    return {m: tokens[m] / seconds[m] for m in methods}, acceptance
+
+
+def _fastest(speeds: dict[str, float], rule: str, margin: float) -> str:
+    """The fastest method; the rule's where it is within `margin` of it (this machine's noise between runs)."""
+    best = max(speeds, key=speeds.get)
+    return rule if rule in speeds and speeds[rule] * (1 + margin) >= speeds[best] else best
