@@ -150,7 +150,9 @@ class Batch:
         have (its buffers valid until the next pass), None before."""
         run, gen = self.run, self.gen
         m, start, dev = len(j.ids), j.done, run.device
-        S = min(gen.prefill_chunk, m - start)
+        # the odd-sized chunk first: the passes over the longest context, the largest, then share one shape (the
+        # engines' allocators reuse their buffers rather than adding new ones for a last, smaller pass)
+        S = (m - start - 1) % gen.prefill_chunk + 1
         if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
             run.hidden = run.hidden.clone()
         prompt = run.prompt(j.row, m)                                                   # (1, m)
