@@ -11,6 +11,7 @@ from specrt.errors import SpecrtError
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
 TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
                    "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
                    "target's own sampling (--acceptance exact, the default, is)")
@@ -22,7 +23,6 @@ def acceptance_option(help_extra: str = ""):
                              "accepted where the target gives it more than min(0.09, 0.3·exp(-entropy))): more "
                              "tokens a round at temperature > 0, NOT the target's distribution; at temperature 0 "
                              "it is greedy decoding." + help_extra)
-METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
 
 
 def _fail(e: Exception):

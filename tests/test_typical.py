@@ -69,6 +69,9 @@ def test_chain_accepts_what_the_target_finds_likely():
     n, nxt = verification.typical(P, draft, valid, torch.Generator().manual_seed(0))
     assert n.tolist() == [2, 1, 0, 1]
     assert ((nxt >= 0) & (nxt < V)).all()
+    none = torch.zeros(4, 0, dtype=torch.int64)   # a plain step: nothing to accept, a token sampled from P
+    n, nxt = verification.typical(P[:, :1], none, none.bool(), torch.Generator().manual_seed(0))
+    assert n.tolist() == [0] * 4 and ((nxt >= 0) & (nxt < V)).all()
 
 
 def test_host_rules_match_the_device_rules():

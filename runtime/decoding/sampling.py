@@ -10,6 +10,7 @@ from specrt.errors import InputError
 
 ACCEPTANCE = ("exact", "typical")   # the verification rules: exact (the target's distribution) or Medusa's typical
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0   # 0: greedy

@@ -217,6 +217,9 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
     from specrt.decoding.generate import Generator
 
+    bad = [a for a in cfg.acceptance if a not in ("exact", "typical")]
+    if bad or not cfg.acceptance:
+        raise InputError(f"--acceptance {','.join(cfg.acceptance)}: choose exact, typical or exact,typical")
     prompts = load_prompts(cfg.prompts, cfg.num_prompts, LONG_PROMPTS if cfg.long_prompts else MT_BENCH)
     torch.set_num_threads(bench.info["threads"])
     gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"])
@@ -224,9 +227,6 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")
         bench.notes.append("autoregressive added: it is the baseline of every speedup")
-    bad = [a for a in cfg.acceptance if a not in ("exact", "typical")]
-    if bad or not cfg.acceptance:
-        raise InputError(f"--acceptance {','.join(cfg.acceptance)}: choose exact, typical or exact,typical")
     if "typical" in cfg.acceptance:
         bench.notes.append(f"rows `METHOD{TYPICAL}`: typical acceptance (Medusa's; each speculative method again "
                            "right after its exact run, temperatures > 0 only: at 0 it is greedy, the exact rows), "
