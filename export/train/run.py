@@ -11,8 +11,8 @@ sizes by the target. A run
   3. runs the kind's trainer: features (Medusa, EAGLE), then training with checkpoints in WORK (a rerun resumes);
   4. writes the result and its model card (README.md) into a staging directory beside OUT, then moves them into
      OUT (the files of that name are replaced, others stay).
-Trainer settings that the command has a flag for map to the trainer's dataclass field of the same name; a new
-kind adds a row to `KINDS` and gets every flag its dataclass has a field for.
+Trainer flags map to the trainer dataclass's fields of the same names; a new kind is a row of `KINDS` (see `Kind`)
+and takes every flag its dataclass has a field for.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import importlib
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -57,11 +57,16 @@ def data_batch(t: Target) -> int:
 
 @dataclass(frozen=True)
 class Kind:
+    """A row of `KINDS`. Its trainer is a module of specrt.export.train with a settings dataclass (the fields of
+    `COMMON`, and those of the trainer flags it takes, by the same names) and `train(settings)`: resumable in
+    settings.work, writing settings.out with its weights and a training.json (steps_done, sessions: each call's
+    first and last step, history: the evaluations, train_loss, val_rows)."""
     produces: str                       # what OUT holds, for --help and the model card
     export_option: str                  # the `specrt export` option that takes OUT ("": none)
-    module: str                         # the trainer, in specrt.export.train: its dataclass and `train(config)`
-    config: str                         # the dataclass's name
-    sized: Callable[[Target], dict] = lambda t: {}   # settings sized by the target
+    module: str                         # the trainer's module
+    config: str                         # its settings dataclass
+    defaults: dict = field(default_factory=dict)      # settings where they differ from the dataclass's defaults
+    sized: Callable[[Target], dict] = lambda t: {}    # settings sized by the target
 
     def settings_class(self):
         return getattr(importlib.import_module(f"specrt.export.train.{self.module}"), self.config)
@@ -70,29 +75,26 @@ class Kind:
         importlib.import_module(f"specrt.export.train.{self.module}").train(settings)
 
 
+# The defaults are the Makefile's SmolLM2 recipes (the shipped drafters' settings).
 KINDS = {
     "data": Kind("the self-distillation data alone (data.jsonl, the target's top-16 labels in data.teacher/, "
                  "self_prompts.jsonl, data.json), for the other kinds' --data", "", "data", "DataConfig"),
     "draft": Kind("a small draft model of the target's own architecture, initialised from its first layers "
                   "(config.json, model.safetensors, specrt_vocab.json: the output ids it keeps)", "--draft",
                   "train_draft", "TrainConfig",
+                  dict(steps=800, batch_tokens=8192, lr=1e-3, warmup=20, weight_decay=0.05, eval_every=40,
+                       save_every=20),
                   lambda t: {"layers": draft_layers(t), "kept_vocab": kept_ids(t)}),
     "medusa": Kind("Medusa heads on the target's last hidden state (medusa_config.json, medusa_heads.safetensors, "
                    "specrt_vocab.json where ids are kept)", "--medusa", "train_medusa", "MedusaConfig",
-                   lambda t: {"kept_vocab": kept_ids(t)}),
+                   dict(epochs=1, max_positions=400000, batch=256, lr=1e-3), lambda t: {"kept_vocab": kept_ids(t)}),
     "eagle": Kind("an EAGLE drafter: one decoder layer of the target's shape over its features "
                   "(eagle_config.json, eagle.safetensors, specrt_vocab.json where ids are kept)", "--eagle",
-                  "train_eagle", "EagleTrainConfig", lambda t: {"kept_vocab": kept_ids(t), "vocab": ""}),
+                  "train_eagle", "EagleTrainConfig", dict(vocab=""), lambda t: {"kept_vocab": kept_ids(t)}),
 }
 
-# Settings of every trainer, the same for all kinds (a trainer's dataclass has each of these fields).
-COMMON = ("data", "target", "work", "out", "device", "threads", "max_minutes", "seed")
-
-# The kinds' own defaults, where they differ from their trainer dataclass's (the Makefile's SmolLM2 recipes).
-RECIPES = {
-    "draft": dict(steps=800, batch_tokens=8192, lr=1e-3, warmup=20, weight_decay=0.05, eval_every=40, save_every=20),
-    "medusa": dict(epochs=1, max_positions=400000, batch=256, lr=1e-3),
-}
+# The settings `specrt train` gives every trainer (those its dataclass has).
+COMMON = ("data", "target", "work", "out", "device", "threads", "max_minutes", "feature_minutes", "seed")
 
 
 @dataclass
@@ -162,6 +164,8 @@ class Plan:
 def plan(kind: str, o: TrainOptions) -> Plan:
     """Checks the input and resolves every setting; writes nothing."""
     import torch
+
+    from specrt.export.train.data import DATA_FILE, check_data_dir
     if kind not in KINDS:
         raise InputError(f"unknown kind {kind!r}: expected one of {', '.join(KINDS)}")
     if o.device == "cuda" and not torch.cuda.is_available():
@@ -169,10 +173,9 @@ def plan(kind: str, o: TrainOptions) -> Plan:
                           "--device cpu, or on a machine with an NVIDIA GPU and a CUDA build of torch")
     if o.device not in ("cpu", "cuda"):
         raise InputError(f"--device {o.device}: expected cpu or cuda")
-    spec = KINDS[kind]
     target = probe(o.target)
     out = Path(o.out)
-    check_out(out, "data.jsonl" if kind == "data" else "training.json")
+    check_out(out, DATA_FILE if kind == "data" else "training.json")
     given = {k: getattr(o, k) for k in (*DATA_OPTIONS, *TRAINER_OPTIONS) if getattr(o, k) is not None}
     if kind == "data":
         wrong = [k for k in given if k not in DATA_OPTIONS] + [k for k in ("work", "data") if getattr(o, k)]
@@ -180,35 +183,36 @@ def plan(kind: str, o: TrainOptions) -> Plan:
             raise InputError(f"{', '.join(map(flag, wrong))}: not options of `specrt train data` (it takes the "
                              f"data options {', '.join(map(flag, DATA_OPTIONS))})")
         return Plan(kind, target, out, None, out, data_config(o, target, out), None)
-    cls = spec.settings_class()
+    work = Path(o.work) if o.work else out.with_name(out.name + ".work")
+    settings = trainer_settings(kind, o, target, given)
+    if not o.data:
+        data_dir = work / "data"
+        return Plan(kind, target, out, work, data_dir, data_config(o, target, data_dir), settings(work, data_dir))
+    data_dir = Path(o.data)
+    if given.keys() & DATA_OPTIONS.keys():
+        raise InputError(f"{', '.join(flag(k) for k in given if k in DATA_OPTIONS)}: the data of --data {o.data} is "
+                         "made already; these options apply where the run makes its data")
+    if not (data_dir / DATA_FILE).is_file() and not o.dry_run:   # a dry run shows the settings before
+        raise InputError(f"--data {data_dir}: holds no {DATA_FILE}; make it with `specrt train data --target "
+                         f"{o.target} --out {data_dir}`, or leave --data out to make the data in --work")
+    check_data_dir(data_dir, o.target, target.vocab_size)
+    return Plan(kind, target, out, work, data_dir, None, settings(work, data_dir))
+
+
+def trainer_settings(kind: str, o: TrainOptions, target: Target, given: dict) -> Callable:
+    """(work, data directory) -> the kind's trainer settings: its dataclass's defaults, the recipe's, those sized
+    by the target, then the flags given; the flags it has no field for are refused."""
+    import torch
+
+    from specrt.export.train.data import DATA_FILE
+    cls = KINDS[kind].settings_class()
     own = {f.name for f in fields(cls)}
     wrong = [k for k in given if k in TRAINER_OPTIONS and TRAINER_OPTIONS[k] not in own]
     if wrong:
         raise InputError(f"{', '.join(map(flag, wrong))}: not options of `specrt train {kind}` (its options: "
                          f"{', '.join(flag(k) for k, v in TRAINER_OPTIONS.items() if v in own)})")
-    work = Path(o.work) if o.work else out.with_name(out.name + ".work")
-    if o.data:
-        data_dir, data = Path(o.data), None
-        if given.keys() & DATA_OPTIONS.keys():
-            raise InputError(f"{', '.join(flag(k) for k in given if k in DATA_OPTIONS)}: the data of --data "
-                             f"{o.data} is made already; these options apply where the run makes its data")
-        from specrt.export.train.data import DATA_FILE, check_data_dir
-        if not (data_dir / DATA_FILE).is_file() and not o.dry_run:   # a dry run shows the settings before
-            raise InputError(f"--data {data_dir}: holds no {DATA_FILE}; make it with `specrt train data --target "
-                             f"{o.target} --out {data_dir}`, or leave --data out to make the data in --work")
-        check_data_dir(data_dir, o.target, target.vocab_size)
-    else:
-        data_dir = work / "data"
-        data = data_config(o, target, data_dir)
-    values = {**RECIPES.get(kind, {}), **spec.sized(target),
+    values = {**KINDS[kind].defaults, **KINDS[kind].sized(target),
               **{TRAINER_OPTIONS[k]: v for k, v in given.items() if k in TRAINER_OPTIONS}}
-    values = {k: v for k, v in values.items() if k in own}
-    from specrt.export.train.data import DATA_FILE
-    values.update(data=str(data_dir / DATA_FILE), target=o.target, work=str(work), out=str(staging(out)),
-                  device=o.device, threads=o.threads or torch.get_num_threads(), max_minutes=o.max_minutes,
-                  seed=o.seed)
-    if "feature_minutes" in own:   # the features' pass: the same budget as the training's
-        values["feature_minutes"] = o.max_minutes
     if isinstance(values.get("layers"), str):   # draft: the target's layer ids; eagle: a count
         ids = parse_ids(values["layers"])
         if not isinstance(cls.__dataclass_fields__["layers"].default, tuple):
@@ -219,7 +223,14 @@ def plan(kind: str, o: TrainOptions) -> Plan:
             raise InputError(f"--layers {values['layers']}: the target has layers 0 to {target.num_layers - 1}; "
                              "name at least one of them")
         values["layers"] = ids
-    return Plan(kind, target, out, work, data_dir, data, cls(**values))
+    values.update(target=o.target, out=str(staging(Path(o.out))), device=o.device, seed=o.seed,
+                  threads=o.threads or torch.get_num_threads(), max_minutes=o.max_minutes,
+                  feature_minutes=o.max_minutes)   # the features' pass: the same budget as the training's
+
+    def settings(work: Path, data_dir: Path):
+        return cls(**{k: v for k, v in {**values, "work": str(work), "data": str(data_dir / DATA_FILE)}.items()
+                      if k in own})
+    return settings
 
 
 def check_out(out: Path, mark: str) -> None:

@@ -2,9 +2,9 @@
 
 The draft is a transformers model of the target's own class over its tokenizer (so it also serves as a
 transformers `assistant_model`): the target's embeddings and output head, a few of the target's layers and its
-final norm. Only the layers and the norm train; the embeddings and the output head stay the target's. The draft's engine keeps a
-reduced output vocabulary: the K ids most frequent in the distilled data and among the teacher's top-4
-predictions at every scored position, topped up with the lowest ids (the earliest BPE merges), written to
+final norm. Only the layers and the norm train; the embeddings and the output head stay the target's. The draft's
+engine keeps a reduced output vocabulary: the K ids most frequent in the distilled data and among the teacher's
+top-4 predictions at every scored position, topped up with the lowest ids (the earliest BPE merges), written to
 `specrt_vocab.json`.
 
 Three steps, each resumable (rerun the same command):
