@@ -283,6 +283,9 @@ def train(kind: str, options: TrainOptions, command: str = "", log: Callable[[st
     p = plan(kind, options)
     if options.dry_run:
         return p
+    if options.threads:
+        import torch
+        torch.set_num_threads(options.threads)
     from specrt.export.train.data import make_data
     if p.data is not None:
         log(f"data: {p.data_dir} (the target answers prompts; resumable)")

@@ -86,8 +86,8 @@ def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
         task = bar.add_task("target features", total=len(todo))
         for s in range(0, len(todo), 16):     # rows in order: the cache is a prefix of the data
             if time.time() > deadline:
-                raise FeaturesUnfinished(f"--feature-minutes reached with {len(feats)} of {len(rows)} rows; rerun "
-                                         "to go on")
+                raise FeaturesUnfinished(f"the features' time budget ran out with {len(feats)} of {len(rows)} rows "
+                                         "done (they are kept); rerun to go on")
             batch = todo[s:s + 16]
             S = max(len(rows[i]["ids"]) for i in batch)
             ids = torch.zeros(len(batch), S, dtype=torch.long)
