@@ -13,6 +13,17 @@ from specrt.export.train.run import KINDS
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
 METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
+TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
+                   "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
+                   "target's own sampling (--acceptance exact, the default, is)")
+
+
+def acceptance_option(help_extra: str = ""):
+    return click.option("--acceptance", type=click.Choice(["exact", "typical"]), default="exact", show_default=True,
+                        help="exact: the target's distribution. typical: Medusa's typical acceptance (a draft is "
+                             "accepted where the target gives it more than min(0.09, 0.3·exp(-entropy))): more "
+                             "tokens a round at temperature > 0, NOT the target's distribution; at temperature 0 "
+                             "it is greedy decoding." + help_extra)
 
 
 def _fail(e: Exception):
@@ -145,6 +156,7 @@ def sampling_options(f):
         click.option("--adaptive/--no-adaptive", default=True, show_default=True,
                      help="Each round chooses: chains their length, trees a tree or a plain target step, by the "
                           "measured acceptance and costs. --no-adaptive speculates every round."),
+        acceptance_option(),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
         prefill_chunk_option,
@@ -163,7 +175,7 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, device, threads, prefill_chunk):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, acceptance, device, threads, prefill_chunk):
     """Generate from ENGINES."""
     from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -172,7 +184,9 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
     prompt = None if not prompt else prompt[0] if len(prompt) == 1 else list(prompt)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    num_return_sequences=num_return_sequences, method=method, gamma=gamma, tree=tree,
-                   tree_choices=tree_choices, adaptive=adaptive)
+                   tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance)
+    if acceptance == "typical" and temperature > 0:
+        _log(TYPICAL_WARNING)
     try:
         gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
         if stream:
@@ -207,6 +221,8 @@ def _summary(s: dict) -> None:
            f"{chosen.get(s.get('method_from'), '')}"
     if s["acceptance_rate"] is not None:
         line += f", acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_round']:.2f} tokens/round"
+    if not s["distribution_preserving"]:
+        line += f", {s['acceptance']} acceptance: NOT the target's distribution"
     click.echo(line + f", stop: {s['stop_reason'] or 'see stop_reasons'}]", err=True)
 
 
@@ -227,8 +243,9 @@ def _summary(s: dict) -> None:
 @click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@acceptance_option(" verify checks exact acceptance only: typical is refused.")
 def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
-           alpha, seed, device):
+           alpha, seed, device, acceptance):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed).
 
@@ -239,6 +256,10 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
     from specrt.measurement.check import Report, check_greedy, check_sampling
     from specrt.decoding.generate import Generator
     from specrt.decoding.sampling import SamplingParams
+    if acceptance != "exact":
+        raise click.UsageError("--acceptance typical: typical acceptance is not distribution-preserving by design "
+                               "(it accepts any draft the target finds likely enough), so it cannot pass this check "
+                               "of the target's output; verify checks --acceptance exact, the default")
     try:
         gen = Generator.from_engines(engines, device=device)
         n = max(num_prompts, 1)   # the sampling check draws after the first prompt

@@ -99,6 +99,30 @@ def test_bench_results_are_consistent(engines, tmp_path):
     assert "hf-prompt-lookup" in result.output   # the table printed at the end
 
 
+def test_bench_runs_typical_acceptance_beside_exact(engines, tmp_path):
+    """--acceptance exact,typical: each speculative method again with typical acceptance right after its exact run,
+    at the temperatures above 0 only, as rows METHOD+typical that say they are not distribution-preserving."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [5, 6, 7, 8, 5, 6]}])
+    out = tmp_path / "out"
+    args = [str(engines), "--prompts", str(prompts), "--methods", "draft,ngram", "--temperatures", "0,0.7",
+            "--max-new-tokens", str(NEW), "--gamma-sweep", "", "--no-peers", "--no-memory", "--out", str(out)]
+    result = CliRunner().invoke(bench, args + ["--acceptance", "exact,typical"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads((out / "results.json").read_text())
+    rows = {(s["method"], s["temperature"]): s for s in r["summary"]}
+    assert set(rows) == {(m, t) for m in ("autoregressive", "draft", "ngram") for t in (0.0, 0.7)} | {
+        ("draft+typical", 0.7), ("ngram+typical", 0.7)}
+    assert [x["method"] for x in r["runs"] if x["temperature"] == 0.7] == [
+        "autoregressive", "draft", "draft+typical", "ngram", "ngram+typical"]
+    for (method, _), s in rows.items():
+        assert s["distribution_preserving"] == (not method.endswith("+typical"))
+    assert rows[("draft+typical", 0.7)]["c"] == rows[("draft", 0.7)]["c"] > 0
+    assert r["config"]["acceptance"] == ["exact", "typical"] and "NOT distribution-preserving" in result.output
+    assert "| specrt | draft+typical | 0.7 |" in (out / "report.md").read_text()
+    result = CliRunner().invoke(bench, args + ["--acceptance", "lossy"])
+    assert result.exit_code == 1 and "--acceptance lossy" in result.output
+
+
 def test_bench_skips_draft_without_draft_model(tmp_path):
     directory, _ = export_tiny(tmp_path, "llama", vocab=VOCAB, name="nodraft")
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [3, 4, 5]}])

@@ -100,6 +100,31 @@ def test_models_and_completion(tiny):
     assert out.usage.completion_tokens == 18 and out.specrt["method"] == "draft"
 
 
+def test_typical_acceptance_is_asked_for_and_labelled(tiny):
+    """`specrt.acceptance` "typical": the request runs with typical acceptance (a seeded request: the generator's own
+    tokens for that seed) and every answer says it is not the target's distribution: the completion's `specrt`
+    field, n choices' fields, a stream's last chunk. The default stays exact."""
+    gen, url, *_ = tiny
+    api = client(url)
+    typical = {"specrt": {"method": "draft", "gamma": 2, "acceptance": "typical"}}
+    out = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=8, temperature=0.8, seed=4,
+                                 extra_body=typical)
+    want = gen.generate(prompt_ids=[5, 6], max_new_tokens=8, temperature=0.8, seed=4, method="draft", gamma=2,
+                        acceptance="typical")
+    assert out.choices[0].token_ids == want.token_ids[0]
+    assert (out.specrt["acceptance"], out.specrt["distribution_preserving"]) == ("typical", False)
+    out = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=8, n=2, temperature=0.8, extra_body=typical)
+    assert (out.specrt["acceptance"], out.specrt["distribution_preserving"]) == ("typical", False)
+    assert all(not c["distribution_preserving"] for c in out.specrt["choices"])
+    stream = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=8, temperature=0.8, stream=True,
+                                    extra_body=typical)
+    stats = [s for s in (getattr(chunk, "specrt", None) for chunk in stream) if s]
+    assert len(stats) == 1 and stats[0]["acceptance"] == "typical" and not stats[0]["distribution_preserving"]
+    out = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=8, temperature=0.8,
+                                 extra_body={"specrt": {"method": "draft"}})
+    assert (out.specrt["acceptance"], out.specrt["distribution_preserving"]) == ("exact", True)
+
+
 def test_concurrent_streams_join_one_batch(tiny):
     """Eight streams at once with different prompts: they are decoded together (the server's figures show rounds
     of several rows), each is the greedy output of a lone generate."""
@@ -185,6 +210,7 @@ BAD = [  # (body, status, the field the message must name)
     ({"model": "gpt-4", "prompt": [1]}, 404, "model"),
     ({"prompt": [1], "specrt": {"method": "beam"}}, 400, "specrt.method"),
     ({"prompt": [1], "specrt": {"method": "eagle"}}, 400, "specrt.method"),   # not in this engine set
+    ({"prompt": [1], "specrt": {"acceptance": "lossy"}}, 400, "specrt.acceptance"),
     ({"prompt": [1], "temperature": -0.5}, 400, "temperature"),
     ({"prompt": [1], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1], "top_p": 1.5}, 400, "top_p"),

@@ -30,17 +30,21 @@ class Batch:
     def __init__(self, gen: "Generator", capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
-                 tree_choices=None, adaptive: bool = True):
-        params = SamplingParams(temperature, top_k, top_p, seed)
+                 tree_choices=None, adaptive: bool = True, acceptance: str = "exact"):
+        params = SamplingParams(temperature, top_k, top_p, seed, acceptance)
         method, self.method_from = gen.method_for(method, params.greedy)
+        # what the last request of this regime measured (acceptance, EAGLE's calibration) seeds this one's policies;
+        # typical acceptance accepts more than exact, so its requests keep their own figures, which start from the
+        # sampled regime's and never reach the tuning (Generator.measured reads the greedy and sampled regimes)
+        regime = "typical" if params.typical else params.greedy
         gen._check_request(method, gamma)
         if capacity < 1:
             raise InputError(f"batch capacity {capacity}: must be at least 1")
         self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
         figures = None
         if method == "eagle" and adaptive:   # EAGLE's calibration: from the last request of its regime
-            last = gen._eagle_figures.get(params.greedy)
-            figures = gen._eagle_figures[params.greedy] = last.following() if last else Figures()
+            last = gen._eagle_figures.get(regime) or gen._eagle_figures.get(params.greedy)
+            figures = gen._eagle_figures[regime] = last.following() if last else Figures()
         self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive, figures)
         self.tree = getattr(self.drafter, "tree", None)
         max_len = gen.max_len
@@ -51,13 +55,13 @@ class Batch:
         self.policy = None
         if self.drafter and adaptive and gamma is None and self.tree is None:
             # the acceptance expected at first: what the last request of this kind measured
-            last = gen._gamma_policies.get((method, params.greedy))
-            self.policy = gen._gamma_policies[(method, params.greedy)] = GammaPolicy(
+            last = gen._gamma_policies.get((method, regime)) or gen._gamma_policies.get((method, params.greedy))
+            self.policy = gen._gamma_policies[(method, regime)] = GammaPolicy(
                 self._chain_costs(1), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
         self.trees = None
         if self.tree is not None and adaptive:   # trees or plain steps: from what the last request measured
-            last = gen._tree_policies.get((method, params.greedy))
-            self.trees = gen._tree_policies[(method, params.greedy)] = last.following() if last else TreePolicy()
+            last = gen._tree_policies.get((method, regime)) or gen._tree_policies.get((method, params.greedy))
+            self.trees = gen._tree_policies[(method, regime)] = last.following() if last else TreePolicy()
         self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
@@ -284,10 +288,16 @@ class Batch:
         return tokens * costs.pass_time(1) >= costs.pass_time(self.tree.size)
 
     # ---- results ------------------------------------------------------------------------------------------
+    def acceptance(self) -> dict:
+        """The verification rules that made the output and whether it has the target's distribution: typical
+        acceptance at temperature > 0 does not; asked for at temperature 0 it is greedy decoding, exact."""
+        typical = self.run.params.typical
+        return {"acceptance": "typical" if typical else "exact", "distribution_preserving": not typical}
+
     def row_stats(self, row: _Row, tokens: int) -> dict:
         """One sequence's figures (the server's per-request `specrt` field)."""
-        return {"method": self.method, "method_from": self.method_from, "tokens": tokens, "rounds": row.rounds,
-                "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
+        return {"method": self.method, "method_from": self.method_from, **self.acceptance(), "tokens": tokens,
+                "rounds": row.rounds, "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
                 "stop_reason": row.stop_reason}
 
@@ -301,6 +311,7 @@ class Batch:
         stats = {
             "method": self.method,
             "method_from": self.method_from,
+            **self.acceptance(),
             "rounds": run.rounds,
             "acceptance_rate": run.accepted / run.proposed if run.proposed else None,
             "acceptance_per_position": [a / p for a, p in run.per_position],

@@ -50,9 +50,9 @@ class Generator:
         self.engine_time = 0.0
         self._batch_costs: dict = {}
         self._last_pool = None
-        self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, greedy) -> the last request's
-        self._tree_policies: dict[tuple, TreePolicy] = {}    # the same for tree methods
-        self._eagle_figures: dict[bool, Figures] = {}        # greedy -> the last EAGLE request's
+        self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, regime) -> the last request's; regime:
+        self._tree_policies: dict[tuple, TreePolicy] = {}    # greedy (a bool) or "typical" (see Batch); the same
+        self._eagle_figures: dict[bool | str, Figures] = {}  # for tree methods; regime -> the last EAGLE request's
         self.tuning: tuning.Tuning | None = None             # this machine's, see start_warm
         self.untuned = "no tuning loaded"                    # why there is none
         self.machine: dict = {}                              # what timings depend on (tuning.machine)
@@ -198,7 +198,7 @@ class Generator:
                  seed: int | None = None, num_return_sequences: int = 1, method: str = AUTO,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
-                 adaptive: bool = True) -> Generation:
+                 adaptive: bool = True, acceptance: str = "exact") -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -208,10 +208,13 @@ class Generator:
         paths), else the engine set's calibrated tree, else the built-in default. `adaptive` (the default) lets
         each round choose: chains their length γ (unless `gamma` fixes it), trees a tree or a plain step,
         whichever the measured acceptance and costs say is faster, at the batch's size; `adaptive=False`
-        speculates in every round that has room."""
+        speculates in every round that has room. `acceptance`: "exact" (the default: the target's distribution) or
+        "typical" (Medusa's typical acceptance: drafts the target finds likely enough are accepted; more tokens a
+        round at temperature > 0, but NOT the target's distribution; greedy at temperature 0). The stats say which
+        (`acceptance`, `distribution_preserving`)."""
         rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
-                              adaptive)
+                              adaptive, acceptance)
         while True:
             try:
                 next(rounds)
@@ -251,7 +254,8 @@ class Generator:
     def _rounds(self, prompt, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
                 method: str = AUTO, gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
-                chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True):
+                chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
+                acceptance: str = "exact"):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -266,7 +270,7 @@ class Generator:
             room = max(map(len, prompts)) + max_new_tokens + 1
             batch = self.batch(len(prompts) * n, room, method=method, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, gamma=gamma, ngram_max=ngram_max, ngram_min=ngram_min,
-                               tree=tree, tree_choices=tree_choices, adaptive=adaptive)
+                               tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance)
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n)
@@ -419,15 +423,17 @@ class Generator:
                 torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
             if tree is not None:   # u: one uniform per child tried, then the draw
                 rows, path = verification.tree_greedy_host(logits, tokens, tree) if params.greedy else \
-                    verification.tree_sampled_host(logits, tokens, tree, params.temperature, u)
+                    verification.tree_typical_host(logits, tokens, tree, params.temperature, u) if params.typical \
+                    else verification.tree_sampled_host(logits, tokens, tree, params.temperature, u)
                 accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
             elif params.greedy:
                 rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B)
                 accepted = [r[0] + 1 for r in rows]
             else:                  # u: acceptance at each position, then the draw
                 q = proposal.q.numpy() if proposal.q is not None else None
-                rows = verification.sampled_host(logits, tokens, proposal.on_host()[1] if g else [0] * B, q,
-                                                 params.temperature, u)
+                width = proposal.on_host()[1] if g else [0] * B
+                rows = verification.typical_host(logits, tokens, width, params.temperature, u) if params.typical \
+                    else verification.sampled_host(logits, tokens, width, q, params.temperature, u)
                 accepted = [r[0] + 1 for r in rows]
             cache.write(out.host_kv(), past, accepted)   # the accepted path's entries only, in order
             run.after_pass(out, path, [r[0] for r in rows])
@@ -435,17 +441,19 @@ class Generator:
         cache.write(out.new_kv)
         if tree is not None:
             dtree = tree.on(dev)
-            n, nxt, path = verification.tree_greedy(out.logits, ids, dtree) if run.params.greedy else \
-                verification.tree_sampled(probs(out.logits, run.params), ids, dtree, run.generator)
+            rule = verification.tree_typical if params.typical else verification.tree_sampled
+            n, nxt, path = verification.tree_greedy(out.logits, ids, dtree) if params.greedy else \
+                rule(probs(out.logits, params), ids, dtree, run.generator)
             path = path.clamp(min=0)                                                    # padding past the leaf
             cache.compact(path)
             tokens, width = ids.gather(1, path), torch.full_like(n, tree.max_depth)
         else:
-            if run.params.greedy:
+            if params.greedy:
                 n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
             else:
-                P = probs(out.logits, run.params)                                       # (B, γ+1, V)
-                n, nxt = verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
+                P = probs(out.logits, params)                                           # (B, γ+1, V)
+                n, nxt = verification.typical(P, proposal.tokens, proposal.valid, run.generator) if params.typical \
+                    else verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
         run.after_pass(out, path, n)
         read = torch.cat([n[:, None], nxt[:, None], width[:, None], tokens, *([] if path is None else [path])],

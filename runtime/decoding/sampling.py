@@ -8,6 +8,8 @@ import torch
 
 from specrt.errors import InputError
 
+ACCEPTANCE = ("exact", "typical")   # the verification rules: exact (the target's distribution) or Medusa's typical
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,7 @@ class SamplingParams:
     top_k: int = 0             # 0: off
     top_p: float = 1.0         # 1: off
     seed: int | None = None
+    acceptance: str = "exact"  # "typical": Medusa's typical acceptance (lossy, see verification.typical)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -23,10 +26,19 @@ class SamplingParams:
             raise InputError(f"top_p {self.top_p}: must be in (0, 1] (1 turns it off)")
         if self.top_k < 0:
             raise InputError(f"top_k {self.top_k}: must be >= 0 (0 turns it off)")
+        if self.acceptance not in ACCEPTANCE:
+            raise InputError(f"acceptance {self.acceptance!r}: choose exact (the default: the target's distribution) "
+                             "or typical (Medusa's typical acceptance: faster at temperature > 0, not the target's "
+                             "distribution)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def typical(self) -> bool:
+        """Typical acceptance applies: asked for, at temperature > 0 (at 0 it is greedy decoding, exact)."""
+        return self.acceptance == "typical" and self.temperature > 0
 
     @property
     def plain(self) -> bool:

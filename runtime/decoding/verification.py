@@ -218,3 +218,86 @@ def tree_sampled(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.G
         R = torch.where(moved[:, None], P[rows, node], R)
     nxt = sample(R, generator)
     return n, nxt, path
+
+
+# ---- typical acceptance (Medusa, Cai et al. 2024): lossy, an explicit opt-in --------------------------------------
+# A drafted token x is accepted where the target finds it plausible: P(x) > min(ε, δ·exp(−H(P))), H the entropy of
+# P at its parent. The longest accepted path wins (the first in rank order among equally long ones) and the next
+# token is sampled from P at its end, with no residual: likely tokens are over-represented, so the output is NOT
+# distributed as the target's. The loop applies it at temperature > 0 only (at 0 the greedy rules run).
+TYPICAL_EPSILON = 0.09   # the hard threshold (Medusa's posterior_threshold)
+TYPICAL_DELTA = 0.3      # the entropy-scaled one's factor, √ε (Medusa's posterior_alpha)
+
+
+def typical_threshold(P: torch.Tensor) -> torch.Tensor:
+    """min(ε, δ·exp(−H(P))) of probabilities P (..., V) -> (...)."""
+    H = torch.special.entr(P).sum(-1)                                  # −Σ P log P, 0 log 0 = 0
+    return torch.clamp(TYPICAL_DELTA * torch.exp(-H), max=TYPICAL_EPSILON)
+
+
+def typical_threshold_host(p: np.ndarray) -> float:
+    """typical_threshold() of one row of normalised probabilities on the host."""
+    H = -float(np.dot(p, np.log(np.maximum(p, np.finfo(p.dtype).tiny))))
+    return min(TYPICAL_EPSILON, TYPICAL_DELTA * float(np.exp(-H)))
+
+
+def typical(P: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor, generator: torch.Generator):
+    """A chain (Q is not read): accept while P(x_i) passes the threshold at its position; the next token is sampled
+    from P where the chain stops (the bonus token's position when all pass)."""
+    gamma = draft.shape[1]
+    p = P[:, :gamma].gather(-1, draft[..., None])[..., 0]              # (B, γ)  P(x_i)
+    accept = (p > typical_threshold(P[:, :gamma])) & valid
+    n = accept.int().cumprod(1).sum(1)                                 # (B,)
+    return n, sample(P[torch.arange(len(n), device=P.device), n], generator)
+
+
+def typical_host(logits: np.ndarray, tokens: list[list[int]], width: list[int], temperature: float,
+                 u: list[list[float]]) -> list[list[int]]:
+    """typical() on the host (top-k and top-p off), for the CPU loop (see sampled_host; u[b][-1] is the draw)."""
+    rows = []
+    for b, (tt, w) in enumerate(zip(tokens, width)):
+        n, p = 0, softmax_host(logits[b, 0], temperature)
+        while n < w and p[tt[n + 1]] > typical_threshold_host(p):
+            n += 1
+            p = softmax_host(logits[b, n], temperature)
+        rows.append([n, draw_host(p, u[b][-1]), w] + tt[:n + 1])
+    return rows
+
+
+def tree_typical(P: torch.Tensor, tokens: torch.Tensor, tree, generator: torch.Generator):
+    """A tree: the deepest node whose every node from the root passes (its token against its parent's P and
+    threshold), the lowest node id (the first in rank order) among equally deep ones; the next token is sampled
+    from P there. Returns as tree_greedy, the path padded with the root."""
+    tree = tree.on(P.device)
+    B, size, V = P.shape
+    nodes = torch.arange(size, device=P.device)
+    p = P.reshape(B, -1).gather(1, tree.parent_ids * V + tokens)       # (B, N+1)  P_parent(x_i)
+    ok = p > typical_threshold(P)[:, tree.parent_ids]
+    ok[:, 0] = True
+    passed = (ok[:, None, :] | ~tree.mask).all(-1)                     # (B, N+1) the node and its ancestors pass
+    last = torch.where(passed, tree.depth * size - nodes, -1).argmax(-1)   # (B,) the deepest, then the first
+    depths = torch.arange(tree.max_depth + 1, device=P.device)
+    path = (tree.mask[last][:, None, :] & (tree.depth == depths[:, None])).int().argmax(-1)   # (B, D+1)
+    return tree.depth[last], sample(P[torch.arange(B, device=P.device), last], generator), path
+
+
+def tree_typical_host(logits: np.ndarray, tokens: list[list[int]], tree, temperature: float,
+                      u: list[list[float]]) -> tuple[list[list[int]], list]:
+    """tree_typical() on the host (top-k and top-p off), depth-first in rank order over the nodes that pass (see
+    tree_greedy_host): the first of the deepest; u[b][-1] is the draw."""
+    rows, paths = [], []
+    D = tree.max_depth
+    for b, tt in enumerate(tokens):
+        p, path, stack = {}, [0], [[0]]
+        while stack:
+            here = stack.pop()
+            if len(here) > len(path):
+                path = here
+            node = here[-1]
+            p[node] = softmax_host(logits[b, node], temperature)
+            bar = typical_threshold_host(p[node])
+            stack.extend(here + [c] for c in reversed(tree.children[node]) if p[node][tt[c]] > bar)
+        n = len(path) - 1
+        rows.append([n, draw_host(p[path[-1]], u[b][-1]), D] + [tt[i] for i in path])
+        paths.append(path + [path[-1]] * (D - n))
+    return rows, paths

@@ -55,6 +55,7 @@ class BenchConfig:
     memory: bool = True                  # peak memory of each method and peer, one fresh process each
     compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
     long_prompts: bool = False           # the packaged long prompts (2.6k-6.6k tokens) instead of MT-Bench
+    acceptance: tuple[str, ...] = ("exact",)   # with "typical": each speculative method again at T > 0, typical
 
 
 @dataclass
@@ -138,16 +139,20 @@ def machine_info(threads: int) -> dict:
 
 # ---- one run of each system ---------------------------------------------------------------------------------
 TREE_METHODS = {"draft-tree": "draft"}   # bench names of tree variants -> generate(method=..., tree=True)
+TYPICAL = "+typical"   # the bench name of a method run with typical acceptance ends with it
 
 
 def run_specrt(gen, ids: list[int], method: str, temperature: float, max_new: int, seed: int,
-               gamma: int | None = None) -> dict:
+               gamma: int | None = None, acceptance: str = "exact") -> dict:
     t = time.perf_counter()
     out = gen.generate(prompt_ids=ids, max_new_tokens=max_new, temperature=temperature, seed=seed,
-                       method=TREE_METHODS.get(method, method), gamma=gamma, tree=method in TREE_METHODS)
+                       method=TREE_METHODS.get(method, method), gamma=gamma, tree=method in TREE_METHODS,
+                       acceptance=acceptance)
     wall = time.perf_counter() - t
     s = out.stats
-    return {"system": "specrt", "method": method, "temperature": temperature, "tokens": s["tokens"],
+    name = method + TYPICAL if s["acceptance"] == "typical" else method
+    return {"system": "specrt", "method": name, "temperature": temperature, "tokens": s["tokens"],
+            "acceptance": s["acceptance"], "distribution_preserving": s["distribution_preserving"],
             "output_ids": out.token_ids[0], "prompt_tokens": len(ids), "prefill_s": s["prefill_time_s"],
             "time_s": wall, "tokens_per_s": s["tokens"] / wall, "decode_time_s": wall - s["prefill_time_s"],
             "rounds": s["rounds"], "loop_time_s": s["loop_time_s"], "alpha": s["acceptance_rate"],
@@ -212,6 +217,9 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     from specrt.export.sources import load_source
     from specrt.decoding.generate import Generator
 
+    bad = [a for a in cfg.acceptance if a not in ("exact", "typical")]
+    if bad or not cfg.acceptance:
+        raise InputError(f"--acceptance {','.join(cfg.acceptance)}: choose exact, typical or exact,typical")
     prompts = load_prompts(cfg.prompts, cfg.num_prompts, LONG_PROMPTS if cfg.long_prompts else MT_BENCH)
     torch.set_num_threads(bench.info["threads"])
     gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"])
@@ -219,6 +227,10 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")
         bench.notes.append("autoregressive added: it is the baseline of every speedup")
+    if "typical" in cfg.acceptance:
+        bench.notes.append(f"rows `METHOD{TYPICAL}`: typical acceptance (Medusa's; each speculative method again "
+                           "right after its exact run, temperatures > 0 only: at 0 it is greedy, the exact rows), "
+                           "which is NOT distribution-preserving: its output is not distributed as the target's")
     ids = [p.ids if p.ids is not None else gen.encode(p.text) for p in prompts]
     longest = max(map(len, ids))
     if longest + cfg.max_new_tokens > gen.max_len:
@@ -285,8 +297,9 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
             run_specrt(other, s.ids[0], m, 0.0, 4, cfg.seed)
     systems = len(s.methods) + len(s.peers) + bool(s.llamacpp) + sum(len(m) for _, _, m in compared)
     memory = cfg.memory and _memory_available(bench.notes)
+    typical = [m for m in s.methods if m != "autoregressive"] if "typical" in cfg.acceptance else []
     total = len(s.ids) * len(cfg.temperatures) * systems + sweep_n * (1 + len(sweep_methods) * len(cfg.gamma_sweep)) \
-        + (systems if memory else 0)
+        + (systems if memory else 0) + len(s.ids) * sum(t > 0 for t in cfg.temperatures) * len(typical)
     task = progress.add_task("bench", total=total) if progress else None
 
     def record(rows: list, row: dict, i: int) -> None:
@@ -302,6 +315,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> Bench:
                 row = run_specrt(s.gen, p, m, temp, new, cfg.seed + i)
                 reference = row["output_ids"] if m == "autoregressive" and temp == 0 else reference
                 record(bench.runs, row, i)
+                if m in typical and temp > 0:   # the same method and prompt, typical acceptance, back to back
+                    record(bench.runs, run_specrt(s.gen, p, m, temp, new, cfg.seed + i, acceptance="typical"), i)
             for name, other, methods in compared:
                 for m in methods:
                     record(bench.runs, {**run_specrt(other, p, m, temp, new, cfg.seed + i), "system": name}, i)
@@ -481,6 +496,10 @@ def _csv(kind):
                    "prefill time, decode speed and peak memory.")
 @click.option("--methods", default="autoregressive,draft,ngram", show_default=True, callback=_csv(str))
 @click.option("--temperatures", default="0,0.7", show_default=True, callback=_csv(float))
+@click.option("--acceptance", default="exact", show_default=True, callback=_csv(str),
+              help="exact, or exact,typical: each speculative method also runs with typical acceptance (Medusa's; "
+                   "NOT distribution-preserving) at the temperatures above 0, as rows METHOD+typical, back to back "
+                   "with its exact run.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--num-prompts", default=8, show_default=True)
 @click.option("--gamma-sweep", default="1,2,3,4,6,8", show_default=True, callback=_csv(int),
@@ -503,7 +522,7 @@ def _csv(kind):
                    "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
                    "stay against ENGINES' autoregressive.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def bench(engines, prompts, long_prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
+def bench(engines, prompts, long_prompts, methods, temperatures, acceptance, max_new_tokens, num_prompts, gamma_sweep,
           sweep_prompts, peers, llamacpp, memory, seed, threads, device, compare, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
@@ -514,7 +533,7 @@ def bench(engines, prompts, long_prompts, methods, temperatures, max_new_tokens,
         raise click.UsageError("--prompts and --long-prompts: give one prompt set")
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
                       sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare),
-                      long_prompts)
+                      long_prompts, acceptance)
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:

@@ -78,7 +78,7 @@ def draw(gen, ids: list[int], method: str, params: SamplingParams, samples: int,
         seed = None if params.seed is None else params.seed + start
         out = gen.generate(prompt_ids=ids, max_new_tokens=depth, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed, num_return_sequences=n,
-                           method=method, adaptive=False, **kw)
+                           method=method, adaptive=False, acceptance=params.acceptance, **kw)
         seqs += [tuple(t) + (END,) * (depth - len(t)) for t in out.token_ids]
     return seqs
 

@@ -59,13 +59,15 @@ def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, floa
         alpha = _mean([r.get("alpha") for r in rs])
         gamma = _mean([r.get("gamma_mean") or r.get("gamma") for r in rs])
         speculative = system.startswith("specrt") and method != "autoregressive"
-        chain = method in ("draft", "ngram")   # the formula's model: a chain of γ drafts
+        base = method.split("+")[0]            # the method of METHOD+typical (typical acceptance)
+        chain = base in ("draft", "ngram")     # the formula's model: a chain of γ drafts
         cost = costs.get(system)
         rows.append({
             "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
             "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
-            "c": (cost.c if method.startswith("draft") else (eagle_c or {}).get(system, 0.0) if method == "eagle"
+            "c": (cost.c if method.startswith("draft") else (eagle_c or {}).get(system, 0.0) if base == "eagle"
                   else 0.0) if speculative else None,
+            "distribution_preserving": all(r.get("distribution_preserving", True) for r in rs),
             "gamma_mean": gamma,
             "predicted_speedup": cost.predicted_speedup(alpha, max(1, round(gamma)))
             if chain and speculative and alpha is not None and gamma else None,
@@ -380,7 +382,8 @@ def write_outputs(bench) -> dict:
         "config": {"methods": list(cfg.methods), "temperatures": list(cfg.temperatures),
                    "max_new_tokens": cfg.max_new_tokens, "num_prompts_run": len({r["prompt"] for r in bench.runs}),
                    "gamma_sweep": list(cfg.gamma_sweep), "sweep_prompts_run": len({r["prompt"] for r in bench.sweep}),
-                   "peers": cfg.peers, "peer_lookup_tokens": PEER_LOOKUP_TOKENS, "seed": cfg.seed},
+                   "peers": cfg.peers, "peer_lookup_tokens": PEER_LOOKUP_TOKENS, "seed": cfg.seed,
+                   "acceptance": list(cfg.acceptance)},
         "info": info, "floor": floor_line(info, bench.runs), "summary": summary,
         "sweep": summarize_sweep(bench.sweep, costs), "runs": bench.runs, "sweep_runs": bench.sweep,
         "memory": bench.memory, "llamacpp_agreement": llamacpp_agreement(bench.runs), "notes": bench.notes,

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
+from specrt.decoding.sampling import ACCEPTANCE
 
 log = logging.getLogger("specrt.serving.server")
 
@@ -55,6 +56,7 @@ class SpecrtOptions(BaseModel):
     gamma: int | None = Field(None, ge=1, le=64)
     tree: bool = False
     adaptive: bool = True
+    acceptance: Literal[ACCEPTANCE] = "exact"  # typical: Medusa's typical acceptance, NOT the target's distribution
 
 
 class StreamOptions(BaseModel):
@@ -179,7 +181,7 @@ class Job:
         """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
         ignores top-k and top-p). A seeded request runs in a batch of its own, so that its seed reproduces it."""
         o = self.options
-        sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"])
+        sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o["acceptance"])
         if o["seed"] is not None:
             sampling = (self,)
         return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
@@ -307,7 +309,7 @@ class Scheduler:
             if self.batch is None:
                 self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
                                             top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
-                                            tree=o["tree"], adaptive=o["adaptive"])
+                                            tree=o["tree"], adaptive=o["adaptive"], acceptance=o["acceptance"])
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
@@ -449,7 +451,7 @@ class Server:
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
                     method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
-                    adaptive=req.specrt.adaptive)
+                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance)
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
@@ -515,7 +517,9 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": _usage(ids, sum(map(len, tokens))), "specrt": {"method": ends[0][1]["method"], "choices": [ends[i][1] for i in range(req.n)]}}
+                    "usage": _usage(ids, sum(map(len, tokens))),
+                    "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
+                    | {"choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         if req.stream:
