@@ -38,17 +38,17 @@ class Acceptance:
     prompts: int
 
     def entry(self) -> dict:
-        return {"first_draft_token": round(self.rate, 4), "positions": self.positions, "prompts": self.prompts,
-                "how": "greedy: the drafter's top guess for the token after the target's next one, equal to the "
-                       "target's greedy token"}
+        rate = round(self.rate, 4) if self.positions else None
+        return {"first_draft_token": rate, "positions": self.positions, "prompts": self.prompts}
 
-    def warning(self, what: str) -> str | None:
-        if self.rate >= LOW:
+    def warning(self, what: str, causes: str) -> str | None:
+        """None, or a loud line for a rate below LOW; `causes`: what breaks an import of this kind of drafter."""
+        if self.rate >= LOW or not self.positions:
             return None
         return (f"WARNING: {what} agrees with the target on {self.rate:.0%} of first draft tokens ({self.positions} "
-                f"positions over {self.prompts} prompts, greedy): speculating with it will gain nothing. Fc halves in "
-                "the wrong order, a missing or wrong d2t, or a drafter trained for another model do this; use a "
-                "drafter trained for this target")
+                f"positions over {self.prompts} prompts, greedy): speculating with it will gain nothing. An import "
+                f"gone wrong ({causes}) or a drafter trained for another model does this; use one trained for this "
+                "target")
 
 
 def prompt_ids(tokenizer, vocab_size: int) -> list[list[int]]:
@@ -70,8 +70,9 @@ def measure(target, propose: Propose, prompts: list[list[int]], new_tokens: int 
             eos: tuple[int, ...] = ()) -> Acceptance:
     """The first draft token's greedy acceptance of `propose` with `target` (a SpecModel) over `prompts`."""
     hits = positions = 0
-    dtype = target.lm_head.weight.dtype   # float16/bfloat16 weights compute as the engines do, in float32 where
-    mixed = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()   # it counts
+    new_tokens = min(new_tokens, target.args.max_seq_len // 2)
+    dtype = target.lm_head.weight.dtype   # float16/bfloat16 weights: eager layers mix them with float32 rope tables
+    mixed = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with torch.no_grad(), mixed:
         for prompt in prompts:
             prompt = prompt[-(target.args.max_seq_len - new_tokens):]

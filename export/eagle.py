@@ -211,8 +211,9 @@ def load_published(directory: str | Path, target: SpecModel) -> EagleModel:
     path = find_file(directory, PUBLISHED_WEIGHTS, "--eagle")
     state = {k: v for k, v in read_weights(path).items() if not k.endswith("rotary_emb.inv_freq")}
     d = config.get("hidden_size")
-    if "fc.weight" in state and state["fc.weight"].shape[-1] != 2 * state["fc.weight"].shape[0] or \
-            any(k.startswith("midlayer.") for k in state) or "d2t" in state or "draft_vocab_size" in config:
+    fc = state.get("fc.weight", torch.zeros(0, 0))
+    if fc.shape[-1] == 3 * fc.shape[0] > 0 or any(k.startswith("midlayer.") for k in state) or "d2t" in state or \
+            "draft_vocab_size" in config:
         raise CheckpointError(f"--eagle {directory}: an EAGLE-3 drafter (fc over three target layers, or midlayer.*, "
                               "d2t, draft_vocab_size); this loader reads EAGLE-1/2 drafters")
     heads = config.get("num_attention_heads")

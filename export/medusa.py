@@ -220,8 +220,9 @@ def load_published(directory: str | Path, target, log=lambda *_: None) -> Publis
     state = read_weights(path)
     keys = {k: re.fullmatch(r"(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)", k) for k in state}
     if not state or not all(keys.values()):
-        raise CheckpointError(f"--medusa {directory}: {path.name} holds {sorted(k for k, m in keys.items() if not m)[:4]}"
-                              " besides Medusa heads' {head}.{layer}.linear.weight/bias and {head}.{layers}.weight")
+        other = sorted(k for k, m in keys.items() if not m)[:4]
+        raise CheckpointError(f"--medusa {directory}: {path.name} holds {other or 'nothing'}, not Medusa heads' "
+                              "{head}.{layer}.linear.weight/bias and {head}.{layers}.weight")
     heads = 1 + max(int(m[1]) for m in keys.values())
     layers = 1 + max((int(m[2]) for k, m in keys.items() if ".linear." in k), default=-1)
     own = f"0.{layers}.weight" in state
@@ -239,7 +240,7 @@ def load_published(directory: str | Path, target, log=lambda *_: None) -> Publis
     said = (config.get("medusa_num_heads"), config.get("medusa_num_layers"))
     if config and said != (heads, layers):
         log(f"{directory}/config.json says medusa_num_heads {said[0]}, medusa_num_layers {said[1]}; the weights "
-            f"hold {heads} heads of {layers} layers: using the weights")
+            f"hold {heads} heads, {layers} layer(s) each: using the weights")
     model = PublishedHeads(heads, layers, a.hidden_size, target.lm_head.weight, own)
     names = {f"{h}.{i}.linear.{p}": f"blocks.{h}.{i}.linear.{p}" for h in range(heads) for i in range(layers)
              for p in ("weight", "bias")} | {f"{h}.{layers}.weight": f"lm_heads.{h}.weight" for h in range(heads)}

@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
-from specrt.export import memory
+from specrt.export import acceptance, memory
 from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
-from specrt.export import acceptance
 from specrt.export.acceptance import eagle_proposer, medusa_proposer
 from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
@@ -63,12 +62,12 @@ def _check_memory(target: str, draft: str | None, dtype: str, limit: float | Non
                  limit, smaller or "Use a machine with more memory")
 
 
-def check_acceptance(target, propose, prompts: list[list[int]], src, what: str, log=print) -> dict:
+def check_acceptance(target, propose, prompts: list[list[int]], src, what: str, causes: str, log=print) -> dict:
     """The imported drafter's first-draft-token acceptance (see `specrt.export.acceptance`), for the manifest; a
-    loud warning where it is near zero."""
+    loud warning where it is near zero (`causes`: what breaks an import of this kind of drafter)."""
     measured = acceptance.measure(target, propose, prompts, eos=tuple(src.eos_token_ids))
     log(f"{what}: {measured.rate:.0%} of first draft tokens accepted (greedy, {measured.positions} positions)")
-    warning = measured.warning(what)
+    warning = measured.warning(what, causes)
     if warning is None:
         return measured.entry()
     log(warning)
@@ -133,7 +132,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx"),
                                     "acceptance": check_acceptance(model, medusa_proposer(heads), prompts, src,
-                                                                   f"the Medusa heads {medusa}", log)}
+                                                                   f"the Medusa heads {medusa}",
+                                                                   "heads or layers read in the wrong order", log)}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
@@ -144,7 +144,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
                 models["eagle"]["layout"] = eagle_layout(eagle)
                 models["eagle"]["acceptance"] = check_acceptance(model, eagle_proposer(drafter), prompts, src,
-                                                                 f"the EAGLE drafter {eagle}", log)
+                                                                 f"the EAGLE drafter {eagle}",
+                                                                 "fc's halves in the wrong order", log)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")
