@@ -210,8 +210,8 @@ def load_published(directory: str | Path, target, log=lambda *_: None) -> Publis
     """FasterDecoding's Medusa heads: `medusa_lm_head.safetensors` or `.pt` with keys `{h}.{l}.linear.weight/bias`
     (the residual blocks) and `{h}.{L}.weight` (head h's LM head, L = medusa_num_layers; absent in the legacy heads,
     which use the target's), beside a `config.json` with `medusa_num_heads` and `medusa_num_layers`. The heads and
-    layers are counted from the weights: published configs understate them (medusa-vicuna-7b-v1.3 says 2 heads and
-    holds 5)."""
+    layers are counted from the weights: published configs understate them (the reference code replaces the
+    head count of its Vicuna heads' config, 2, by 5)."""
     import re
 
     from specrt.export.published import check_fit, find_file, read_config, read_weights
