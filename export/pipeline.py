@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
-from specrt.export import memory
+from specrt.export import acceptance, memory
 from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
-from specrt.export.eagle import export_eagle, load_eagle
-from specrt.export.medusa import export_heads, load_heads, shipped_tree
+from specrt.export.acceptance import eagle_proposer, medusa_proposer
+from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
+from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
@@ -61,6 +62,18 @@ def _check_memory(target: str, draft: str | None, dtype: str, limit: float | Non
                  limit, smaller or "Use a machine with more memory")
 
 
+def check_acceptance(target, propose, prompts: list[list[int]], src, what: str, causes: str, log=print) -> dict:
+    """The imported drafter's first-draft-token acceptance (see `specrt.export.acceptance`), for the manifest; a
+    loud warning where it is near zero (`causes`: what breaks an import of this kind of drafter)."""
+    measured = acceptance.measure(target, propose, prompts, eos=tuple(src.eos_token_ids))
+    log(f"{what}: {measured.rate:.0%} of first draft tokens accepted (greedy, {measured.positions} positions)")
+    warning = measured.warning(what, causes)
+    if warning is None:
+        return measured.entry()
+    log(warning)
+    return {**measured.entry(), "warning": warning}
+
+
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
                    medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
@@ -98,6 +111,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             tokenizer = tokenizer or src.tokenizer
             model = from_hf(src.model, _max_len(src.model, max_seq_len, log), src.vocab_subset)
             src.model = None   # the graph's model holds the weights now (the same tensors)
+            prompts = acceptance.prompt_ids(src.tokenizer, model.args.vocab_size)
             kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
             log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}{kept}, "
                 f"max_seq_len {model.args.max_seq_len}, {dtype} weights)")
@@ -108,22 +122,30 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
                 models[role]["gguf"] = {"path": str(src.gguf_file), "sha256": sha256_file(src.gguf_file)}
             if role == "target" and medusa is not None:
-                heads = load_heads(medusa, model)
-                tree = shipped_tree(medusa, len(heads.heads))
-                log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
+                heads = load_heads(medusa, model, log)
+                tree = shipped_tree(medusa, heads.num_heads)
+                log(f"tracing {heads.num_heads} Medusa heads ({medusa_layout(medusa)} layout) to ONNX")
                 export_heads(heads, tmp / "medusa.onnx", dtype)
-                models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
+                models["medusa"] = {"source": str(medusa), "layout": medusa_layout(medusa),
+                                    "num_heads": heads.num_heads,
                                     "root_token": heads.root_token, "sequential": heads.sequential,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
-                                    "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx")}
+                                    "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx"),
+                                    "acceptance": check_acceptance(model, medusa_proposer(heads), prompts, src,
+                                                                   f"the Medusa heads {medusa}",
+                                                                   "heads or layers read in the wrong order", log)}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
             if role == "target" and eagle is not None:
                 drafter = load_eagle(eagle, model)
-                log("tracing the EAGLE drafter to ONNX")
+                log(f"tracing the EAGLE drafter ({eagle_layout(eagle)} layout) to ONNX")
                 export_eagle(drafter, tmp / "eagle.onnx", dtype)
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
+                models["eagle"]["layout"] = eagle_layout(eagle)
+                models["eagle"]["acceptance"] = check_acceptance(model, eagle_proposer(drafter), prompts, src,
+                                                                 f"the EAGLE drafter {eagle}",
+                                                                 "fc's halves in the wrong order", log)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")

@@ -49,9 +49,11 @@ def main():
                    "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
+              help="Medusa heads for the target: specrt's (medusa_config.json + medusa_heads.safetensors) or "
+                   "FasterDecoding's (medusa_lm_head.safetensors or .pt).")
 @click.option("--eagle", default=None, type=click.Path(exists=True, file_okay=False),
-              help="EAGLE drafter directory (eagle_config.json + eagle.safetensors) for the target.")
+              help="EAGLE drafter for the target: specrt's (eagle_config.json + eagle.safetensors) or the EAGLE "
+                   "authors' EAGLE-1/2 (config.json + model.safetensors or pytorch_model.bin).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
