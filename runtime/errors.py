@@ -28,3 +28,8 @@ class DeviceError(BackendError):
 
 class MemoryLimitError(SpecrtError):
     """An export or build that would not fit the memory available, said before the work starts (names the sizes)."""
+
+
+class DrafterMismatchError(InputError):
+    """A drafter that does not fit its target (hidden size, vocabulary, architecture, layer ids): names both
+    values."""
