@@ -276,7 +276,8 @@ def _draft_ids(state: dict, c: Eagle3Config, where: str) -> torch.Tensor | None:
     ids = torch.arange(K) + d2t.long()
     bad = ids[(ids < 0) | (ids >= V)]
     if len(bad):
-        raise DrafterMismatchError(f"{where}: d2t maps draft ids to target id {int(bad[0])}, the target's "
+        worst = int(bad.max()) if bad.max() >= V else int(bad.min())
+        raise DrafterMismatchError(f"{where}: d2t maps draft ids to target id {worst}, the target's "
                                    f"vocabulary has {V} ids; use a drafter made for this target's tokenizer")
     if len(torch.unique(ids)) != K:
         raise InputError(f"{where}: d2t maps two draft ids to one target id; the map must be one to one")
