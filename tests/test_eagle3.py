@@ -367,3 +367,34 @@ def test_engine_sets_without_aux_still_load(tmp_path):
     gen = Generator.from_engines(out)
     assert gen.target.run_sequence([1, 2, 3]).aux is None
     assert len(gen.generate(prompt_ids=[1, 2, 3], max_new_tokens=5, method="autoregressive").token_ids[0]) == 5
+
+
+@pytest.fixture(scope="module")
+def authors(tmp_path_factory):
+    engines, model, _ = export_set(tmp_path_factory.mktemp("authors"), "eagle-authors")
+    return Generator.from_engines(engines), model
+
+
+def test_tune_and_serve(authors, tmp_path):
+    """`specrt tune`'s tree shapes time the drafter with its aux input; `specrt serve` decodes concurrent EAGLE-3
+    streams together, each the target's greedy output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specrt.decoding.eagle import DynamicTree, tune
+    from test_serve import client, running_server
+    gen, model = authors
+    shapes = (DynamicTree(2, 3, 4), DynamicTree(3, 3, 8))
+    assert tune(gen, [[1, 2, 3], [4, 5, 6, 7]], shapes, new_tokens=8, log=lambda *_: None) in shapes
+    prompts = [[1 + i, 2 * i + 3, 5, i, 7 + i][: 2 + i % 4] for i in range(4)]
+    with running_server(gen.directory, tmp_path / "server.log", "--model-name", "x", "--threads", "1") as (url, _):
+        api = client(url)
+
+        def run(prompt):
+            return api.completions.create(model="x", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"specrt": {"method": "eagle"}})
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(run, prompts))
+    for prompt, out in zip(prompts, outs):
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
+        assert out.specrt["method"] == "eagle"
+        assert_same_or_tie(out.choices[0].token_ids, ref, prompt, model)
