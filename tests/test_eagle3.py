@@ -398,3 +398,33 @@ def test_tune_and_serve(authors, tmp_path):
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
         assert out.specrt["method"] == "eagle"
         assert_same_or_tie(out.choices[0].token_ids, ref, prompt, model)
+
+
+def test_train_eagle3_end_to_end(tmp_path):
+    """train_eagle3 on a tiny Qwen2 target (no tokenizer: seeded prompts; a draft vocabulary smaller than the
+    target's), a few steps on the CPU, then export, build and lossless generation; a rerun resumes."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    from specrt.export.train.train_eagle3 import train_eagle3
+    model = tiny_model("qwen2", seed=2, vocab=V, layers=LAYERS, init=0.3)
+    model.save_pretrained(tmp_path / "src")
+    opts = dict(prompts=12, max_new_tokens=16, draft_vocab=48, batch_tokens=256, save_every=10, max_len=MAX_LEN,
+                lr=3e-3)
+    lines = []
+    out = train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=lines.append, **opts)
+    record = json.loads((out / "training.json").read_text())
+    assert record["steps_done"] == 20 and [h["step"] for h in record["history"]] == [10, 20]
+    assert "EAGLE-3 drafter" in (out / "README.md").read_text()
+    again = []
+    train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=again.append, **opts)
+    assert again[0] == "resumed at step 20"
+    export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
+                   eagle=str(out))
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None)
+    gen = Generator.from_engines(tmp_path / "engines")
+    assert gen.manifest["models"]["eagle"]["output_ids"]["count"] == 48
+    for seed in range(2):
+        prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="autoregressive").token_ids[0]
+        out_ids = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="eagle", adaptive=False).token_ids[0]
+        assert_same_or_tie(out_ids, ref, prompt, model)
