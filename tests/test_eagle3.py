@@ -35,14 +35,15 @@ LAYOUTS = {
 }
 
 
-def scattered_d2t(seed: int = 0) -> torch.Tensor:
-    """K draft ids -> K distinct target ids spread over the vocabulary (sorted, as published maps are)."""
-    target_ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:K].sort().values
-    return target_ids - torch.arange(K)
+def scattered_d2t(seed: int = 0, vocab: int = V, draft_vocab: int = K) -> torch.Tensor:
+    """Draft ids -> distinct target ids spread over the vocabulary (sorted, as published maps are)."""
+    target_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    return target_ids - torch.arange(draft_vocab)
 
 
 def write_published(directory, target, prefix: str, weights: str, extra: dict, hidden: int | None = None,
-                    vocab: int = V, d2t: torch.Tensor | None = None, seed: int = 0, embed: bool = False):
+                    vocab: int = V, d2t: torch.Tensor | None = None, seed: int = 0, embed: bool = False,
+                    draft_vocab: int = K):
     """An EAGLE-3 checkpoint with random weights, in the names, shapes, dtypes and config keys its publishers use."""
     c = target.config
     H = hidden or c.hidden_size
@@ -50,7 +51,8 @@ def write_published(directory, target, prefix: str, weights: str, extra: dict, h
     hd = H // heads
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape, s=0.3: torch.randn(*shape, generator=g) * s  # noqa: E731
-    d2t = scattered_d2t(seed) if d2t is None else d2t
+    K = draft_vocab
+    d2t = scattered_d2t(seed, vocab, K) if d2t is None else d2t
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[(torch.arange(K) + d2t).clamp(0, vocab - 1)] = True
     layer = {"self_attn.q_proj.weight": r(heads * hd, 2 * H), "self_attn.k_proj.weight": r(kv * hd, 2 * H),
@@ -238,12 +240,26 @@ def test_batch_of_prompts_and_lookup_chains(published):
         assert adaptive or out.stats["batch_rounds"][3]["speculative"] > 0   # trees over the three rows
 
 
-def test_sampled_rows_run(published):
-    """T > 0 on a batch: the drafter's proposals are deterministic, verified by the lossless rules (the
-    distribution test of the EAGLE drafter covers the rule; here the EAGLE-3 inputs run under sampling)."""
-    name, gen, _, _ = published
-    out = gen.generate(prompt_ids=[[1, 2, 3], [4, 5]], max_new_tokens=12, method="eagle", temperature=0.8, seed=1)
-    assert [len(t) for t in out.token_ids] == [12, 12]
+def test_distribution_is_the_target_distribution(tmp_path):
+    """Sampled with an EAGLE-3 drafter of a reduced draft vocabulary (the rest of the target's ids are never
+    proposed): the first three tokens' joint distribution is the target's (chi-square over N samples); top-p runs
+    the drafter's device path (the aux states gathered along the accepted path by torch)."""
+    from specrt.decoding.sampling import SamplingParams
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    from test_speculative import P_MIN, V as SV, chi_square_p, exact_joint, sample_first3
+    model = tiny_model("llama", seed=1, vocab=SV, layers=LAYERS, init=0.3)
+    model.save_pretrained(tmp_path / "src")
+    ckpt = write_published(tmp_path / "e3", model, "midlayer.", "model.safetensors", {}, vocab=SV, draft_vocab=16)
+    export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
+                   eagle=str(ckpt))
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None)
+    gen = Generator.from_engines(tmp_path / "engines")
+    gen.eagle.spec["dynamic_tree"] = {"top_k": 3, "depth": 3, "nodes": 8}
+    prompt, kw = [5, 1, 7], dict(temperature=0.7, top_p=0.9)
+    out = sample_first3(gen, prompt, "eagle", None, seed=123, **kw)
+    assert 0 < out.stats["acceptance_rate"] < 0.9   # acceptances and residuals both happened
+    assert chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw))) > P_MIN
 
 
 def test_int8_fused_drafter_keeps_greedy_output(tmp_path):
