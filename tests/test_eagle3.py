@@ -444,3 +444,33 @@ def test_train_eagle3_end_to_end(tmp_path):
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="autoregressive").token_ids[0]
         out_ids = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="eagle", adaptive=False).token_ids[0]
         assert_same_or_tie(out_ids, ref, prompt, model)
+
+
+def test_prompt_chunks_fill_the_history_with_aux_states(authors):
+    """A prompt prefilled in chunks: the drafter's history holds the target's aux states of every position."""
+    from specrt.decoding.batch import Batch
+    gen, model = authors
+    chunked = Generator.from_engines(gen.directory, prefill_chunk=4)
+    prompt = [(7 * i + 3) % V for i in range(19)]
+    batch = Batch(chunked, 1, method="eagle")
+    batch.add(prompt, 8)
+    assert torch.allclose(batch.drafter._history[0, :19], target_aux(model, prompt, (2, 4, 5)), atol=1e-4)
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
+    assert_same_or_tie(chunked.generate(prompt_ids=prompt, max_new_tokens=16, method="eagle").token_ids[0], ref,
+                       prompt, model)
+
+
+def test_aux_stays_float32_in_float16_cuda_graphs(authors, tmp_path):
+    """CUDA float16 engines: the target's aux output and the drafter's aux input stay float32 (as hidden does)."""
+    import onnx
+    from onnx import TensorProto
+    from specrt.export.build import build
+    gen, _ = authors
+    cuda = tmp_path / "cuda16"
+    shutil.copytree(gen.directory, cuda)
+    build(cuda, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float16", widths=(2,))
+    for f, kind in (("target.cuda.onnx", "output"), ("target.w2.cuda.onnx", "output"), ("eagle.cuda.onnx", "input"),
+                    ("eagle.w2.cuda.onnx", "input")):
+        g = onnx.load(str(cuda / f), load_external_data=False).graph
+        types = {i.name: i.type.tensor_type.elem_type for i in getattr(g, kind)}
+        assert types["aux"] == TensorProto.FLOAT, f
