@@ -33,7 +33,7 @@ runtime maps the logits' columns through.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from specrt.export.eagle3 import TRAINED, Eagle3Model, default_layers, new_eagle3, save_eagle3
 

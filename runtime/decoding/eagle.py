@@ -100,7 +100,7 @@ class EagleDrafter:
         self.aux = engine.spec.get("aux_size")   # EAGLE-3: the width of the target states it reads, else None
         self._zeros: dict[tuple, torch.Tensor] = {}   # (B, S, width) -> the zero input a pass does not use
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
-        self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
+        self._feeds: dict[tuple, tuple] = {}   # the CPU's host path: per pass shape and width, bound inputs
         self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 

@@ -249,10 +249,9 @@ class OrtEngine:
         pos[0, :] = position_ids[0, 0]
         out = self.forward(ids, pos, past_len, mask, 2, cache)
         aux = None if out.aux is None else out.aux[:, :1]
-        return StepOutput(out.logits[:, :num_logits], out.hidden[:, :1], out.new_kv[..., :1, :],
-                          None if out.host is None else (out.host[0][:, :num_logits], out.host[1][..., :1, :],
-                                                         out.host[2][:, :1], None if aux is None else out.host[3][:, :1]),
-                          aux)
+        host = None if out.host is None else (out.host[0][:, :num_logits], out.host[1][..., :1, :],
+                                              out.host[2][:, :1], None if aux is None else out.host[3][:, :1])
+        return StepOutput(out.logits[:, :num_logits], out.hidden[:, :1], out.new_kv[..., :1, :], host, aux)
 
     def _bind_shape(self, B: int, S: int, num_logits: int) -> "_Shape":
         """A binding of its own for a pass shape, its outputs bound to views of the output buffers: passes of
