@@ -97,7 +97,7 @@ class EagleDrafter:
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
         self.kept, self.narrow = output_ids, output_ids is not None
-        self.aux = engine.spec.get("aux_size")   # EAGLE-3: the width of the target states it reads, else None
+        self.aux = getattr(engine, "spec", {}).get("aux_size")   # EAGLE-3: the width of the target states it reads
         self._zeros: dict[tuple, torch.Tensor] = {}   # (B, S, width) -> the zero input a pass does not use
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self._feeds: dict[tuple, tuple] = {}   # the CPU's host path: per pass shape and width, bound inputs
