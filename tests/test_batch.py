@@ -97,3 +97,26 @@ def test_a_full_batch_refuses_more(default_generator, prompts):
         default_generator.generate(prompt=[], max_new_tokens=4, method="autoregressive")
     with pytest.raises(InputError, match="prompt ids"):
         default_generator.generate(prompt_ids=[[1, 2], []], max_new_tokens=4, method="autoregressive")
+
+
+def test_a_queued_request_moved_down_starts_from_an_empty_row(default_generator, prompts):
+    """A request queued (not yet prefilled) behind the live rows is moved down when rows free below it and the
+    batch's last row is wanted: its new row held a retired request's cache, which its prefill must not read."""
+    batch = default_generator.batch(3, method="autoregressive")
+    batch.add(prompts[0], 2, owner="a")
+    batch.add(prompts[1], 40, owner="b")
+    for _ in range(2):
+        batch.step()
+    batch.join(prompts[2], 8, owner="c")        # row 2, queued
+    (row, _), = batch.retire()                  # a leaves: b moves to row 0, row 1 keeps a's cache length
+    assert row.owner == "a"
+    batch.join(prompts[0], 8, owner="d")        # no room after c: c moves down into row 1
+    while batch.joining:
+        batch.prefill()
+    outputs = {}
+    while batch.run.batch:
+        batch.step()
+        outputs.update((row.owner, tokens) for row, tokens in batch.retire())
+    for owner, ids in (("c", prompts[2]), ("d", prompts[0])):
+        alone = default_generator.generate(prompt_ids=ids, max_new_tokens=8, method="autoregressive").token_ids[0]
+        assert outputs[owner] == alone, owner

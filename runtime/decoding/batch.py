@@ -134,6 +134,8 @@ class Batch:
                     self.run.pool.copy_row(src, r, j.done)
                     if self.drafter is not None:
                         self.drafter.move(src, r, j.done)
+                else:   # not prefilled yet: row r may still hold a retired request's cache length
+                    j.cache.truncate(0)
             r += j.copies
 
     def _tokens_to(self, j: _Joining, row: int) -> None:

@@ -8,6 +8,7 @@ the adaptive policies in the engine directory (specrt.decoding.tuning); `--metho
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -62,7 +63,18 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
                            **gen.measured())
     path = tuning.save(gen.directory, result)
     log(f"recorded {path} ({time.perf_counter() - began:.0f} s)")
+    _busy_warning(log)
     return result
+
+
+def _busy_warning(log) -> None:
+    """Say so when other work shared the cores: the pass times recorded are the loaded machine's (a load of 5 on
+    2 cores recorded them at about 6x their idle values, and `auto` then sized EAGLE's trees for that)."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 1.5 * cores:
+        log(f"warning: the machine was busy while tuning (1-minute load average {load:.1f} on {cores} cores): the "
+            "recorded pass times and speeds are that load's; run `specrt tune` again when it is quiet")
 
 
 def _trees(gen: Generator, prompts: list[list[int]], log) -> None:
