@@ -52,8 +52,13 @@ def main():
               help="Medusa heads for the target: specrt's (medusa_config.json + medusa_heads.safetensors) or "
                    "FasterDecoding's (medusa_lm_head.safetensors or .pt).")
 @click.option("--eagle", default=None, type=click.Path(exists=True, file_okay=False),
-              help="EAGLE drafter for the target: specrt's (eagle_config.json + eagle.safetensors) or the EAGLE "
-                   "authors' EAGLE-1/2 (config.json + model.safetensors or pytorch_model.bin).")
+              help="EAGLE drafter for the target: specrt's (eagle_config.json + eagle.safetensors), the EAGLE "
+                   "authors' EAGLE-1/2 or an EAGLE-3 checkpoint (config.json + model.safetensors or "
+                   "pytorch_model.bin, as published).")
+@click.option("--eagle-layer-ids", type=click.Choice(["inputs", "outputs"]), default=None,
+              help="How to read the target layer ids an EAGLE-3 config names (eagle_aux_hidden_state_layer_ids): "
+                   "as layer inputs (vLLM, the EAGLE authors) or outputs (SGLang, SpecForge). Asked for only "
+                   "where the config names them.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
@@ -64,13 +69,14 @@ def main():
                    "are built from them as float32 or int4/int8.")
 @click.option("--no-memory-check", is_flag=True,
               help="Export even where the estimate says the machine's available memory is too small.")
-def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype, no_memory_check):
+def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
-                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None)
+                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None,
+                       eagle_layer_ids=eagle_layer_ids)
     except SpecrtError as e:
         _fail(e)
 

@@ -36,4 +36,5 @@ class CheckpointError(InputError):
 
 
 class DrafterMismatchError(InputError):
-    """A drafter that does not fit its target: hidden size, vocabulary or architecture (names both values)."""
+    """A drafter that does not fit its target (hidden size, vocabulary, architecture, layer ids): names both
+    values."""
