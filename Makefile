@@ -82,37 +82,31 @@ check-large: | $(STAMP)
 	$(PY) -m specrt.measurement.large --preset $(PRESET) --work build/check-large
 
 DISTILL := build/distill
-TRAIN   := $(PY) -m specrt.export.train
+TRAIN   := $(SPECRT) train
 
+# `specrt train` (docs/drafters.md) with the shipped drafters' settings, which are its defaults for this target.
 # Self-distillation data (export/train/data.py): the target answers the Self-Instruct seed tasks, the project's
-# own prompts and requests it writes itself, in bf16 batches of 128 answers, keeping its top-16 logits as labels.
-# Never the MT-Bench dev set. Every step resumes where it stopped; the call counts fix how much data there is
-# (about 80 min on 2 cores).
-GEN := $(TRAIN).data --out $(DISTILL)/data.jsonl --batched 128 --max-new-tokens 160 --num-template 600 --max-minutes 600
+# own prompts and requests it writes itself, in bf16 batches of 128 answers, keeping its top-16 logits as labels,
+# in the stages of data.py's STAGES (52 calls in all). Never the MT-Bench dev set. Every step resumes where it
+# stopped (about 80 min on 2 cores).
 train-data: | $(STAMP)
-	$(GEN) --samples 0 --max-calls 7
-	$(GEN) --samples 16 --no-greedy --max-calls 8
-	$(GEN) --samples 4 --no-greedy --max-calls 18
-	$(GEN) --num-varied 1600 --samples 0 --max-calls 31
-	$(GEN) --num-varied 3200 --samples 0 --max-calls 44
-	$(GEN) --num-varied 3200 --num-self 1024 --samples 0 --max-calls 52
+	$(TRAIN) data --target smollm2-135m --out $(DISTILL)
 
+# The draft model: the target's first 3 layers, 12,288 kept output ids, 800 steps.
 train-draft: train-data
-	$(TRAIN).train_draft --data $(DISTILL)/data.jsonl --work build/draft-train --out export/drafters/$(DRAFT) \
-	    --layers 0,1,2 --kept-vocab 12288 --steps 800 --batch-tokens 8192 --lr 1e-3 --warmup 20 --weight-decay 0.05 \
-	    --eval-every 40 --save-every 20 --max-minutes 120
+	$(TRAIN) draft --target smollm2-135m --data $(DISTILL) --work build/draft-train --out export/drafters/$(DRAFT) \
+	    --max-minutes 120
 
+# Medusa heads: 1 epoch over 400,000 positions; they propose from the draft's kept output ids.
 train-medusa: train-data
-	$(TRAIN).train_medusa --data $(DISTILL)/data.jsonl --work build/medusa-train --out $(MEDUSA) \
-	    --epochs 1 --max-positions 400000 --batch 256 --lr 1e-3
-	# the heads propose from the draft's kept output ids (the most frequent in the same data)
-	cp export/drafters/$(DRAFT)/specrt_vocab.json $(MEDUSA)/
+	$(TRAIN) medusa --target smollm2-135m --data $(DISTILL) --work build/medusa-train --out $(MEDUSA) \
+	    --vocab-from export/drafters/$(DRAFT)
 
 # EAGLE: features of the target at every position of the same data (cached in build/eagle-train), then one
 # decoder layer learns the next feature and the target's next-token distribution; it keeps the draft's output ids.
 train-eagle: train-data
-	$(TRAIN).train_eagle --data $(DISTILL)/data.jsonl --work build/eagle-train --out $(EAGLE) \
-	    --vocab export/drafters/$(DRAFT) --max-minutes 120 --feature-minutes 120
+	$(TRAIN) eagle --target smollm2-135m --data $(DISTILL) --work build/eagle-train --out $(EAGLE) \
+	    --vocab-from export/drafters/$(DRAFT) --max-minutes 120
 
 # The EAGLE drafter's acceptance traces, next to its weights (specrt.measurement.projection; gpu-check projects EAGLE's speedup
 # on a device from them and the device's measured costs): full trees every round of the engine set's tree shape,

@@ -24,7 +24,7 @@ from onnx import TensorProto, numpy_helper
 from specrt.engines.manifest import check_file, file_entry, logits_width
 from specrt.plugins.tree_attention import attach_function
 
-KEPT_FLOAT32 = ["logits", "hidden", "features"]   # an EAGLE drafter reads the target's float32 features
+KEPT_FLOAT32 = ["logits", "hidden", "features", "aux"]   # an EAGLE(-3) drafter reads the target's float32 states
 FLOAT32_OPS = ["Pow", "ReduceMean"]   # RMSNorm's mean of squares: x² of a residual stream overflows float16
 NORM_TAIL = ("Add", "Sqrt", "Reciprocal", "Div", "Mul")   # after the mean: + eps, the root, x over it
 MIN_EXTERNAL = 1024   # bytes: smaller tensors stay inside each graph
@@ -79,7 +79,7 @@ def _entry(directory: Path, e: dict) -> dict:
 def static_graph(model: onnx.ModelProto, width: int, spec: dict) -> onnx.ModelProto:
     """The contract graph with every shape fixed for one width: B = 1, S = `width`, caches of max_seq_len,
     num_logits = width (a constant), TreeAttention's static body. An EAGLE drafter's `features` are (1, S, d),
-    its logits as wide as its kept ids."""
+    its logits as wide as its kept ids; a target's `aux` and an EAGLE-3 drafter's are (1, S, n*d)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     kv = [1, spec["kv_heads"], spec["max_seq_len"], spec["head_dim"]]
@@ -87,6 +87,9 @@ def static_graph(model: onnx.ModelProto, width: int, spec: dict) -> onnx.ModelPr
     shapes = {"input_ids": [1, width], "position_ids": [1, width], "past_len": [1],
               "tree_mask": [1, width, width], "logits": [1, width, logits_width(spec)],
               "hidden": [1, width, spec["hidden_size"]], "features": [1, width, spec["hidden_size"]]}
+    aux = spec["aux"]["size"] if "aux" in spec else spec.get("aux_size")   # a target's output, EAGLE-3's input
+    if aux:
+        shapes["aux"] = [1, width, aux]
     for io in [*m.graph.input, *m.graph.output]:
         dims = shapes.get(io.name) or (kv if "_cache_" in io.name else new if "_new_" in io.name else None)
         if dims is not None:

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.errors import InputError
+from specrt.errors import CheckpointError, DrafterMismatchError, InputError
 from specrt.export.model import Block, SpecModel, full_vocab, plain_layers, rope
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
+PUBLISHED_CONFIG, PUBLISHED_WEIGHTS = "config.json", ("model.safetensors", "pytorch_model.bin")
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
 TRAINED = ("fc.", "layers.")
 
@@ -38,11 +39,16 @@ TRAINED = ("fc.", "layers.")
 class EagleModel(nn.Module):
     """The trained part (`fc`, `layers`) on the target's frozen embeddings, LM head and rope tables."""
 
-    def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1):
+    def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1,
+                 input_norm: bool = True, **layer):
+        """`input_norm` False: layer 0 reads the fused input as it is (the EAGLE-1/2 drafters' layer has no input
+        layernorm); `layer`: ModelArgs fields of the layers that differ from the target's (rms_norm_eps, biases)."""
         super().__init__()
-        a = self.args = replace(plain_layers(target.args), num_layers=num_layers)
+        a = self.args = replace(plain_layers(target.args), num_layers=num_layers, **layer)
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
         self.layers = nn.ModuleList(Block(a) for _ in range(num_layers))
+        if not input_norm:
+            self.layers[0].input_layernorm = nn.Identity()
         self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
         head = target.lm_head.weight.detach()
         if target.vocab_index is not None:   # a target that keeps a subset: back to the full rows is impossible
@@ -149,19 +155,35 @@ def renamed(state: dict) -> dict:
     return {"layers.0." + k[6:] if k.startswith("layer.") else k: v for k, v in state.items()}
 
 
+def layout(directory: str | Path) -> str:
+    """Which layout a drafter directory holds: "specrt" (eagle_config.json) or "eagle" (the EAGLE authors'
+    config.json; see `load_published`)."""
+    directory = Path(directory)
+    if (directory / CONFIG).is_file():
+        return "specrt"
+    if (directory / PUBLISHED_CONFIG).is_file():
+        return "eagle"
+    raise InputError(f"--eagle {directory}: expected specrt's {CONFIG} and {WEIGHTS}, or a published drafter's "
+                     f"{PUBLISHED_CONFIG} and {' or '.join(PUBLISHED_WEIGHTS)}")
+
+
 def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
-    """The drafter of a checkpoint directory, on the embeddings, LM head and rope tables of `target`."""
+    """The drafter of a checkpoint directory, in specrt's layout or the EAGLE authors' (EAGLE-1/2), on the
+    embeddings and LM head of `target`."""
+    if layout(directory) == "eagle":
+        return load_published(directory, target)
     from safetensors.torch import load_file
 
     from specrt.export.sources import read_vocab_subset
     directory = Path(directory)
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+    if not (directory / WEIGHTS).is_file():
         raise InputError(f"--eagle {directory}: expected a directory with {CONFIG} and {WEIGHTS}")
     config = json.loads((directory / CONFIG).read_text())
     wrong = {k: (config.get(k), getattr(target.args, k)) for k in SHAPE if config.get(k) != getattr(target.args, k)}
     if wrong:
-        raise InputError(f"--eagle {directory}: its layer does not have the target's shape "
-                         f"({', '.join(f'{k} {a} vs {b}' for k, (a, b) in wrong.items())}); train it for this target")
+        raise DrafterMismatchError(f"--eagle {directory}: its layer does not have the target's shape "
+                                   f"({', '.join(f'{k} {a} vs {b}' for k, (a, b) in wrong.items())}); train it for "
+                                   "this target")
     model = EagleModel(target, read_vocab_subset(directory, target.args.vocab_size), config.get("num_layers", 1))
     frozen = {k: v for k, v in model.state_dict().items() if not k.startswith(TRAINED)}
     weights = {k: v.float() for k, v in renamed(load_file(str(directory / WEIGHTS))).items()}
@@ -170,6 +192,72 @@ def load_eagle(directory: str | Path, target: SpecModel) -> EagleModel:
     except RuntimeError as e:
         raise InputError(f"--eagle {directory}: the weights do not match {CONFIG} ({e})") from e
     return model.eval()
+
+
+def load_published(directory: str | Path, target: SpecModel) -> EagleModel:
+    """An EAGLE-1/2 drafter as its authors publish it (SafeAILab/EAGLE, `cnets1.py`), converted to `EagleModel`.
+
+    `config.json`: the target's Llama-style config with `num_hidden_layers` 1, `bias` (fc's bias; true when absent),
+    `qkv_bias` (Qwen2 targets). Weights (`model.safetensors` or `pytorch_model.bin`): `fc.weight` [d, 2d] over
+    [embedding; feature] (specrt's order is [feature; embedding]: the halves are swapped here), `fc.bias`,
+    `layers.N.*` where layer 0 has no input layernorm, optionally `embed_tokens.weight` (a copy of the target's,
+    not used). No final norm, no LM head: the drafter's output goes to the target's LM head. The feature is the
+    target's last hidden state after its final norm, as specrt's. The layer rotates by the drafter's own rope
+    settings (`rope_theta`, `rope_scaling`), which are the target's in every published drafter."""
+    from specrt.export.model import ACTIVATIONS
+    from specrt.export.published import check_fit, find_file, read_config, read_weights
+    directory, a = Path(directory), target.args
+    config = read_config(directory / PUBLISHED_CONFIG)
+    path = find_file(directory, PUBLISHED_WEIGHTS, "--eagle")
+    state = {k: v for k, v in read_weights(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    d = config.get("hidden_size")
+    fc = state.get("fc.weight", torch.zeros(0, 0))
+    if fc.shape[-1] == 3 * fc.shape[0] > 0 or any(k.startswith("midlayer.") for k in state) or "d2t" in state or \
+            "draft_vocab_size" in config:
+        raise CheckpointError(f"--eagle {directory}: an EAGLE-3 drafter (fc over three target layers, or midlayer.*, "
+                              "d2t, draft_vocab_size); this loader reads EAGLE-1/2 drafters")
+    heads = config.get("num_attention_heads")
+    check_fit("--eagle", directory, [
+        ("hidden size", d, a.hidden_size), ("vocabulary size", config.get("vocab_size"), a.vocab_size),
+        ("intermediate size", config.get("intermediate_size"), a.intermediate_size),
+        ("attention heads", heads, a.num_heads),
+        ("key/value heads", config.get("num_key_value_heads", heads), a.num_kv_heads),
+        ("head dim", config.get("head_dim") or d // (heads or 1), a.head_dim),
+        ("qkv_bias", bool(config.get("qkv_bias", False)), a.qkv_bias)])
+    if "embed_tokens.weight" in state:
+        check_fit("--eagle", directory, [("embed_tokens", tuple(state.pop("embed_tokens.weight").shape),
+                                          (a.vocab_size, a.hidden_size))])
+    act = config.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise DrafterMismatchError(f"--eagle {directory}: hidden_act {act!r} is not implemented (supported: "
+                                   f"{', '.join(ACTIVATIONS)})")
+    model = EagleModel(target, None, config.get("num_hidden_layers", 1), input_norm=False, act=act,
+                       rms_norm_eps=config.get("rms_norm_eps", 1e-6), o_bias=False, mlp_bias=False)
+    w = state.pop("fc.weight", None)
+    if w is not None:
+        state["fc.weight"] = torch.cat([w[:, d:], w[:, :d]], dim=1)   # [embedding; feature] -> [feature; embedding]
+    if not config.get("bias", True):   # fc has no bias: a zero one computes the same
+        state["fc.bias"] = torch.zeros(d)
+    mine = model.trained_state()
+    missing, unknown = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in sorted(set(mine) & set(state))
+             if state[k].shape != mine[k].shape]
+    if missing or unknown or wrong:
+        raise CheckpointError(f"--eagle {directory}: {path.name} is not an EAGLE-1/2 drafter of {PUBLISHED_CONFIG}'s "
+                              f"shape (missing {missing[:4]}, unexpected {unknown[:4]}, shapes {wrong[:4]})")
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    model.rope_cos, model.rope_sin = _rope_tables(config, a.head_dim, a.max_seq_len)
+    return model.eval()
+
+
+def _rope_tables(config: dict, head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (length, head_dim) of a Llama-style config's rope settings (transformers' own rotation)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    rope = {k: config[k] for k in ("rope_theta", "rope_scaling", "max_position_embeddings") if config.get(k)}
+    rotary = LlamaRotaryEmbedding(config=LlamaConfig(head_dim=head_dim, **rope))
+    cos, sin = rotary(torch.zeros(1), torch.arange(length)[None])
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
 def export_eagle(model: EagleModel, path: Path, dtype: str = "float32") -> None:

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.errors import InputError
+from specrt.errors import CheckpointError, DrafterMismatchError, InputError
 from specrt.export.model import full_vocab
 
 CONFIG, WEIGHTS, TREE = "medusa_config.json", "medusa_heads.safetensors", "tree.json"
+PUBLISHED_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
 class MedusaHeads(nn.Module):
@@ -78,6 +79,49 @@ class MedusaHeads(nn.Module):
         return logits if self.vocab_index is None else full_vocab(logits, self.vocab_index, self.vocab_size)
 
 
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b): one layer of a published Medusa head."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class PublishedHeads(nn.Module):
+    """Medusa heads as FasterDecoding publishes them (`medusa/model/medusa_model.py`): head i is L residual blocks
+    on the target's last hidden state (after its final norm), then the head's own LM head, or the target's where the
+    checkpoint has none (the legacy heads). hidden (M, d) -> logits (M, K, V), the same graph contract as plain
+    `MedusaHeads`."""
+    root_token = sequential = False
+    vocab_index = None
+
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, lm_head: torch.Tensor,
+                 own_lm_heads: bool):
+        super().__init__()
+        V = self.vocab_size = lm_head.shape[0]
+        self.hidden_size = hidden_size
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers)))
+                                    for _ in range(num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, V, bias=False) for _ in range(num_heads)) \
+            if own_lm_heads else None
+        self.lm_head = None if own_lm_heads else nn.Linear(hidden_size, V, bias=False)
+        if self.lm_head is not None:
+            self.lm_head.weight = nn.Parameter(lm_head.detach().clone(), requires_grad=False)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, hidden, tokens=None):
+        """hidden (M, d) -> (M, K, V); `tokens` is not read (the signature of `MedusaHeads.forward`)."""
+        if self.lm_heads is None:
+            return self.lm_head(torch.stack([blocks(hidden) for blocks in self.blocks], 1))      # (M, K, V)
+        return torch.stack([head(blocks(hidden)) for blocks, head in zip(self.blocks, self.lm_heads)], 1)
+
+
 class _HeadsGraph(nn.Module):
     """The heads as the engine runs them, every head at once in one matrix per input. The hidden state and the
     token embeddings have MatMuls of their own: an int8 engine quantizes each MatMul's input with one scale, and
@@ -123,18 +167,32 @@ def save_heads(heads: MedusaHeads, directory: Path, dtype=torch.float16) -> None
                                                 "sequential": heads.sequential}) + "\n")
 
 
-def load_heads(directory: str | Path, target) -> MedusaHeads:
-    """Heads from a checkpoint directory, on the LM head (and embeddings) of `target` (a SpecModel)."""
+def layout(directory: str | Path) -> str:
+    """"specrt" (medusa_config.json) or "medusa" (FasterDecoding's medusa_lm_head file; see `load_published`)."""
+    directory = Path(directory)
+    if (directory / CONFIG).is_file():
+        return "specrt"
+    if any((directory / name).is_file() for name in PUBLISHED_WEIGHTS):
+        return "medusa"
+    raise InputError(f"--medusa {directory}: expected specrt's {CONFIG} and {WEIGHTS}, or published heads' "
+                     f"{' or '.join(PUBLISHED_WEIGHTS)}")
+
+
+def load_heads(directory: str | Path, target, log=lambda *_: None) -> MedusaHeads | PublishedHeads:
+    """Heads from a checkpoint directory (specrt's layout or FasterDecoding's), on the LM head (and embeddings) of
+    `target` (a SpecModel)."""
+    if layout(directory) == "medusa":
+        return load_published(directory, target, log)
     from safetensors.torch import load_file
 
     from specrt.export.sources import read_vocab_subset
     directory = Path(directory)
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+    if not (directory / WEIGHTS).is_file():
         raise InputError(f"--medusa {directory}: expected a directory with {CONFIG} and {WEIGHTS}")
     config = json.loads((directory / CONFIG).read_text())
     if config["hidden_size"] != target.args.hidden_size:
-        raise InputError(f"--medusa {directory}: heads of hidden size {config['hidden_size']} do not fit the "
-                         f"target's hidden size {target.args.hidden_size}")
+        raise DrafterMismatchError(f"--medusa {directory}: heads of hidden size {config['hidden_size']} do not fit "
+                                   f"the target's hidden size {target.args.hidden_size}")
     sequential = bool(config.get("sequential"))
     embed = target.model.embed_tokens.weight if config.get("root_token") or sequential else None
     kept = read_vocab_subset(directory, target.args.vocab_size)
@@ -146,6 +204,51 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
     except RuntimeError as e:
         raise InputError(f"--medusa {directory}: the weights do not match {CONFIG} ({e})") from e
     return heads.eval()
+
+
+def load_published(directory: str | Path, target, log=lambda *_: None) -> PublishedHeads:
+    """FasterDecoding's Medusa heads: `medusa_lm_head.safetensors` or `.pt` with keys `{h}.{l}.linear.weight/bias`
+    (the residual blocks) and `{h}.{L}.weight` (head h's LM head, L = medusa_num_layers; absent in the legacy heads,
+    which use the target's), beside a `config.json` with `medusa_num_heads` and `medusa_num_layers`. The heads and
+    layers are counted from the weights: published configs understate them (the reference code replaces the
+    head count of its Vicuna heads' config, 2, by 5)."""
+    import re
+
+    from specrt.export.published import check_fit, find_file, read_config, read_weights
+    directory, a = Path(directory), target.args
+    path = find_file(directory, PUBLISHED_WEIGHTS, "--medusa")
+    state = read_weights(path)
+    keys = {k: re.fullmatch(r"(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)", k) for k in state}
+    if not state or not all(keys.values()):
+        other = sorted(k for k, m in keys.items() if not m)[:4]
+        raise CheckpointError(f"--medusa {directory}: {path.name} holds {other or 'nothing'}, not Medusa heads' "
+                              "{head}.{layer}.linear.weight/bias and {head}.{layers}.weight")
+    heads = 1 + max(int(m[1]) for m in keys.values())
+    layers = 1 + max((int(m[2]) for k, m in keys.items() if ".linear." in k), default=-1)
+    own = f"0.{layers}.weight" in state
+    expected = {f"{h}.{i}.linear.{p}" for h in range(heads) for i in range(layers) for p in ("weight", "bias")}
+    expected |= {f"{h}.{layers}.weight" for h in range(heads)} if own else set()
+    if set(state) != expected:
+        raise CheckpointError(f"--medusa {directory}: {path.name} is not {heads} heads of {layers} layers each "
+                              f"(missing {sorted(expected - set(state))[:4]}, unexpected "
+                              f"{sorted(set(state) - expected)[:4]})")
+    check_fit("--medusa", directory, [("hidden size", state[min(state)].shape[-1], a.hidden_size)] +
+              ([("vocabulary size", state[f"0.{layers}.weight"].shape[0], a.vocab_size)] if own else []))
+    config = read_config(directory / "config.json") if (directory / "config.json").is_file() else {}
+    check_fit("--medusa", directory, [(k.replace("_", " "), config[k], getattr(a, k)) for k in
+                                      ("hidden_size", "vocab_size") if k in config])
+    said = (config.get("medusa_num_heads"), config.get("medusa_num_layers"))
+    if config and said != (heads, layers):
+        log(f"{directory}/config.json says medusa_num_heads {said[0]}, medusa_num_layers {said[1]}; the weights "
+            f"hold {heads} heads, {layers} layer(s) each: using the weights")
+    model = PublishedHeads(heads, layers, a.hidden_size, target.lm_head.weight, own)
+    names = {f"{h}.{i}.linear.{p}": f"blocks.{h}.{i}.linear.{p}" for h in range(heads) for i in range(layers)
+             for p in ("weight", "bias")} | {f"{h}.{layers}.weight": f"lm_heads.{h}.weight" for h in range(heads)}
+    try:
+        model.load_state_dict({names[k]: v.float() for k, v in state.items()}, strict=False)
+    except RuntimeError as e:   # a shape that does not match the target's hidden size
+        raise CheckpointError(f"--medusa {directory}: {path.name} does not hold heads of one shape ({e})") from e
+    return model.eval()
 
 
 def shipped_tree(directory: str | Path, num_heads: int):
@@ -160,9 +263,13 @@ def shipped_tree(directory: str | Path, num_heads: int):
     return tree
 
 
-def export_heads(heads: MedusaHeads, path: Path, dtype: str = "float32") -> None:
+def export_heads(heads: MedusaHeads | PublishedHeads, path: Path, dtype: str = "float32") -> None:
     """The heads' graph (see `specrt.export.onnx_export.export_module`: weights as external data in `dtype`)."""
     from specrt.export.onnx_export import export_module
+    if isinstance(heads, PublishedHeads):
+        export_module(heads, (torch.zeros(1, heads.hidden_size),), path, dtype, ["hidden"], ["medusa_logits"],
+                      {"hidden": {0: "M"}, "medusa_logits": {0: "M"}})
+        return
     d, K = heads.lm_head.in_features, len(heads.heads)
     hidden, token = torch.zeros(1, d), torch.zeros(1, dtype=torch.int64)
     if heads.sequential:

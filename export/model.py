@@ -1,7 +1,10 @@
 """The target/draft graph of the engine contract, written once for the Llama family.
 
 forward(input_ids, position_ids, past_len, tree_mask, num_logits, *caches)
-    -> logits [B, num_logits, V], hidden [B, S, d], then per layer new keys and values [B, Hkv, S, D].
+    -> logits [B, num_logits, V], hidden [B, S, d], then per layer new keys and values [B, Hkv, S, D], then, where
+    `aux_layers` names layers (an EAGLE-3 drafter's, see specrt.export.eagle3), `aux` [B, S, len(aux_layers) * d]:
+    the hidden states entering those layers (the residual stream before each one's input norm; L: the last layer's
+    output before the final norm), concatenated in the order given.
 `caches` are the static buffers [B, Hkv, Smax, D], read only (k0, v0, k1, v1, ...).
 `num_logits` [1] asks for the logits of the last positions only (prefill needs one).
 A draft may keep a reduced output vocabulary (`vocab_subset`, K ids): its lm_head is [K, d] and the K logits are
@@ -187,6 +190,7 @@ class SpecModel(nn.Module):
         local_cos, local_sin = local_rope if any(a.local_rope) else (None, None)
         self.register_buffer("local_cos", local_cos, persistent=False)  # (Smax, R)
         self.register_buffer("local_sin", local_sin, persistent=False)  # (Smax, R)
+        self.aux_layers: tuple[int, ...] = ()   # the layers whose inputs the graph also outputs (`aux`)
 
     def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, *caches):
         x = self.model.embed_tokens(input_ids)                           # (B, S, d)
@@ -196,11 +200,14 @@ class SpecModel(nn.Module):
                       self.rope_sin[position_ids].unsqueeze(1))]
         if self.local_cos is not None:
             rotations.append((self.local_cos[position_ids].unsqueeze(1), self.local_sin[position_ids].unsqueeze(1)))
-        new_kv = []
+        new_kv, aux = [], {}
         for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layers:
+                aux[i] = x
             cos, sin = rotations[bool(self.args.local_rope) and self.args.local_rope[i]]
             x, k, v = layer(x, cos, sin, past_len, tree_mask, caches[2 * i], caches[2 * i + 1])
             new_kv += [k, v]
+        aux[len(self.model.layers)] = x
         hidden = self.model.norm(x)                                      # (B, S, d)
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)                        # the positions whose logits we need
@@ -209,6 +216,8 @@ class SpecModel(nn.Module):
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         if self.vocab_index is not None:
             logits = full_vocab(logits, self.vocab_index, self.args.vocab_size)  # (B, num_logits, V)
+        if self.aux_layers:
+            return (logits, hidden, *new_kv, torch.cat([aux[i] for i in self.aux_layers], -1))  # (B, S, n*d)
         return (logits, hidden, *new_kv)
 
 

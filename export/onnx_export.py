@@ -121,7 +121,8 @@ def export_module(model: torch.nn.Module, args: tuple, path: Path, dtype: str, i
 
 
 def export_graph(model: SpecModel, path: Path, dtype: str = "float32") -> None:
-    """The target or draft graph of the engine contract (see `export_module`)."""
+    """The target or draft graph of the engine contract (see `export_module`); with `model.aux_layers`, the `aux`
+    output too (see specrt.export.model)."""
     a = model.args
     B, S = 1, 3
     caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * a.num_layers)]
@@ -131,9 +132,10 @@ def export_graph(model: SpecModel, path: Path, dtype: str = "float32") -> None:
             torch.tensor([S], dtype=torch.int64), *caches)
     cache_in, cache_out = cache_names(a.num_layers)
     inputs = ["input_ids", "position_ids", "past_len", "tree_mask", "num_logits", *cache_in]
-    outputs = ["logits", "hidden", *cache_out]
+    outputs = ["logits", "hidden", *cache_out, *(["aux"] if model.aux_layers else [])]
     dyn = {"input_ids": {0: "B", 1: "S"}, "position_ids": {0: "B", 1: "S"}, "past_len": {0: "B"},
-           "tree_mask": {0: "B", 1: "S", 2: "S"}, "logits": {0: "B", 1: "num_logits"}, "hidden": {0: "B", 1: "S"}}
+           "tree_mask": {0: "B", 1: "S", 2: "S"}, "logits": {0: "B", 1: "num_logits"}, "hidden": {0: "B", 1: "S"},
+           **({"aux": {0: "B", 1: "S"}} if model.aux_layers else {})}
     dyn.update({n: {0: "B", 2: "cache_len"} for n in cache_in})  # the runtime sizes caches per request
     dyn.update({n: {0: "B", 2: "S"} for n in cache_out})
     export_module(model, args, path, dtype, inputs, outputs, dyn)

@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
-from specrt.export import memory
+from specrt.export import acceptance, memory
 from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
-from specrt.export.eagle import export_eagle, load_eagle
-from specrt.export.medusa import export_heads, load_heads, shipped_tree
+from specrt.export.acceptance import eagle_proposer, medusa_proposer
+from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
+from specrt.export.eagle3 import is_eagle3, load_eagle3
+from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
@@ -61,14 +63,43 @@ def _check_memory(target: str, draft: str | None, dtype: str, limit: float | Non
                  limit, smaller or "Use a machine with more memory")
 
 
+def check_acceptance(target, propose, prompts: list[list[int]], src, what: str, causes: str, log=print) -> dict:
+    """The imported drafter's first-draft-token acceptance (see `specrt.export.acceptance`), for the manifest; a
+    loud warning where it is near zero (`causes`: what breaks an import of this kind of drafter)."""
+    measured = acceptance.measure(target, propose, prompts, eos=tuple(src.eos_token_ids))
+    log(f"{what}: {measured.rate:.0%} of first draft tokens accepted (greedy, {measured.positions} positions)")
+    warning = measured.warning(what, causes)
+    if warning is None:
+        return measured.entry()
+    log(warning)
+    return {**measured.entry(), "warning": warning}
+
+
+def _export_eagle3(drafter, source: str, tmp: Path, eos: list[int], dtype: str, models: dict, log) -> None:
+    """The EAGLE-3 drafter's graph and manifest entry: `kind` "eagle3", the width of the target states it reads
+    (`aux_size`), and its draft ids' target ids (`output_ids`) where they are not the identity."""
+    from specrt.export.eagle3 import export_eagle3
+    log(f"tracing the EAGLE-3 drafter to ONNX (target layers {list(drafter.aux_layers)}, "
+        f"{drafter.config.draft_vocab_size} draft ids)")
+    export_eagle3(drafter, tmp / "eagle.onnx", dtype)
+    entry = models["eagle"] = model_entry(drafter, source, "eagle.onnx", tmp, eos, dtype)
+    entry.update(kind="eagle3", aux_size=drafter.fc.in_features, aux_layers=list(drafter.aux_layers))
+    if drafter.draft_ids is not None:
+        ids = drafter.draft_ids.tolist()
+        (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")
+        entry["output_ids"] = {**file_entry(tmp, "eagle_vocab.json"), "count": len(ids)}
+
+
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
                    medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
-                   memory_limit: float | None = None) -> Path:
+                   memory_limit: float | None = None, eagle_layer_ids: str | None = None) -> Path:
     """Trace the models to the ONNX graphs of an engine directory `out`, their weights in `dtype` ("float32",
     "float16" or "bfloat16": checkpoints are read in it, so that a model takes its size in that dtype in memory, once;
     CUDA engines run it as it is, CPU engines are built from it as float32 or quantized). An export that would not
-    fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused first."""
+    fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused first.
+    An EAGLE-3 checkpoint as `eagle` (see specrt.export.eagle3; `eagle_layer_ids` "inputs" or "outputs" says how to
+    read the layer ids its config names) gives the target graph the `aux` output it reads."""
     out = Path(out)
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -98,32 +129,49 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             tokenizer = tokenizer or src.tokenizer
             model = from_hf(src.model, _max_len(src.model, max_seq_len, log), src.vocab_subset)
             src.model = None   # the graph's model holds the weights now (the same tensors)
+            prompts = acceptance.prompt_ids(src.tokenizer, model.args.vocab_size)
             kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
+            eagle3 = load_eagle3(eagle, model, eagle_layer_ids) if role == "target" and eagle is not None and \
+                is_eagle3(eagle) else None
+            if eagle3 is not None:
+                model.aux_layers = eagle3.aux_layers
             log(f"tracing {role} to ONNX ({model.args.num_layers} layers, vocab {model.args.vocab_size}{kept}, "
                 f"max_seq_len {model.args.max_seq_len}, {dtype} weights)")
             export_graph(model, tmp / f"{role}.onnx", dtype)
             models[role] = model_entry(model, source, f"{role}.onnx", tmp, src.eos_token_ids, dtype)
+            if eagle3 is not None:
+                models[role]["aux"] = {"layers": list(eagle3.aux_layers),
+                                       "size": len(eagle3.aux_layers) * model.args.hidden_size}
+                _export_eagle3(eagle3, str(eagle), tmp, src.eos_token_ids, dtype, models, log)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
                 models[role]["gguf"] = {"path": str(src.gguf_file), "sha256": sha256_file(src.gguf_file)}
             if role == "target" and medusa is not None:
-                heads = load_heads(medusa, model)
-                tree = shipped_tree(medusa, len(heads.heads))
-                log(f"tracing {len(heads.heads)} Medusa heads to ONNX")
+                heads = load_heads(medusa, model, log)
+                tree = shipped_tree(medusa, heads.num_heads)
+                log(f"tracing {heads.num_heads} Medusa heads ({medusa_layout(medusa)} layout) to ONNX")
                 export_heads(heads, tmp / "medusa.onnx", dtype)
-                models["medusa"] = {"source": str(medusa), "num_heads": len(heads.heads),
+                models["medusa"] = {"source": str(medusa), "layout": medusa_layout(medusa),
+                                    "num_heads": heads.num_heads,
                                     "root_token": heads.root_token, "sequential": heads.sequential,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
-                                    "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx")}
+                                    "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx"),
+                                    "acceptance": check_acceptance(model, medusa_proposer(heads), prompts, src,
+                                                                   f"the Medusa heads {medusa}",
+                                                                   "heads or layers read in the wrong order", log)}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
-            if role == "target" and eagle is not None:
+            if role == "target" and eagle is not None and eagle3 is None:
                 drafter = load_eagle(eagle, model)
-                log("tracing the EAGLE drafter to ONNX")
+                log(f"tracing the EAGLE drafter ({eagle_layout(eagle)} layout) to ONNX")
                 export_eagle(drafter, tmp / "eagle.onnx", dtype)
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
+                models["eagle"]["layout"] = eagle_layout(eagle)
+                models["eagle"]["acceptance"] = check_acceptance(model, eagle_proposer(drafter), prompts, src,
+                                                                 f"the EAGLE drafter {eagle}",
+                                                                 "fc's halves in the wrong order", log)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")

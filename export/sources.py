@@ -17,6 +17,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -69,12 +70,7 @@ def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
         d = _smollm2_dir()
         model, tok = _load_gguf(d, GGUF_FILE)
         return Source(name, model.to(dtype).eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
-    path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
-    if not (path.is_dir() and (path / "config.json").is_file()):
-        raise UnknownSourceError(
-            f"unknown model source {name!r}: expected {DEFAULT_TARGET!r}, a shipped drafter "
-            f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
-            "(one that holds config.json and weights)")
+    path = checkpoint_dir(name)
     config = AutoConfig.from_pretrained(path)
     architecture_of(config, repr(name))   # refuses, by name, what the graph does not implement
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -82,6 +78,49 @@ def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)
     return Source(name, model, tokenizer, _eos_ids(model), read_vocab_subset(path, config.vocab_size))
+
+
+@dataclass
+class SourceInfo:
+    """What a source is, without its weights."""
+    name: str
+    config: object               # its transformers configuration
+    tokenizer: object | None
+    eos_token_ids: list[int]
+
+
+def source_info(name: str) -> SourceInfo:
+    """The configuration, tokenizer and end-of-sequence ids of the source `name`, checked as `load_source` checks
+    it, without reading its weights (the default model's from its cached conversion; converted first if there is
+    none)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if name == DEFAULT_TARGET:
+        path = _cache_dir(_smollm2_dir() / GGUF_FILE)
+        if path is None or not (path / "config.json").is_file():
+            src = load_source(name)
+            return SourceInfo(name, src.model.config, src.tokenizer, src.eos_token_ids)
+    else:
+        path = checkpoint_dir(name)
+    config = AutoConfig.from_pretrained(path)
+    architecture_of(config, repr(name))
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+    return SourceInfo(name, config, tokenizer, _eos_ids(SimpleNamespace(config=config, generation_config=generation)))
+
+
+def checkpoint_dir(name: str) -> Path:
+    """The checkpoint directory of a source other than the default: a shipped drafter's, or `name` itself."""
+    path = DRAFTERS_DIR / name if (DRAFTERS_DIR / name / "config.json").is_file() else Path(name)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise UnknownSourceError(
+            f"unknown model source {name!r}: expected {DEFAULT_TARGET!r}, a shipped drafter "
+            f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
+            "(one that holds config.json and weights)")
+    return path
 
 
 def _load_gguf(directory: Path, file: str):

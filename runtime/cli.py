@@ -8,6 +8,7 @@ import sys
 import click
 
 from specrt.errors import SpecrtError
+from specrt.export.train.run import KINDS
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
@@ -48,9 +49,16 @@ def main():
                    "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Medusa heads directory (medusa_config.json + medusa_heads.safetensors) for the target.")
+              help="Medusa heads for the target: specrt's (medusa_config.json + medusa_heads.safetensors) or "
+                   "FasterDecoding's (medusa_lm_head.safetensors or .pt).")
 @click.option("--eagle", default=None, type=click.Path(exists=True, file_okay=False),
-              help="EAGLE drafter directory (eagle_config.json + eagle.safetensors) for the target.")
+              help="EAGLE drafter for the target: specrt's (eagle_config.json + eagle.safetensors), the EAGLE "
+                   "authors' EAGLE-1/2 or an EAGLE-3 checkpoint (config.json + model.safetensors or "
+                   "pytorch_model.bin, as published).")
+@click.option("--eagle-layer-ids", type=click.Choice(["inputs", "outputs"]), default=None,
+              help="How to read the target layer ids an EAGLE-3 config names (eagle_aux_hidden_state_layer_ids): "
+                   "as layer inputs (vLLM, the EAGLE authors) or outputs (SGLang, SpecForge). Asked for only "
+                   "where the config names them.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
@@ -61,13 +69,14 @@ def main():
                    "are built from them as float32 or int4/int8.")
 @click.option("--no-memory-check", is_flag=True,
               help="Export even where the estimate says the machine's available memory is too small.")
-def export(target, draft, medusa, eagle, out, max_seq_len, force, dtype, no_memory_check):
+def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
-                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None)
+                       eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None,
+                       eagle_layer_ids=eagle_layer_ids)
     except SpecrtError as e:
         _fail(e)
 
@@ -522,6 +531,101 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
         run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo)
     except SpecrtError as e:
         _fail(e)
+
+
+def _train_help() -> str:
+    import textwrap
+    kinds = "\n".join(textwrap.fill(k.produces, 110, initial_indent=f"  {name:<8}", subsequent_indent=" " * 10)
+                      for name, k in KINDS.items())
+    return f"""Train a drafter of KIND for the target by self-distillation, on the CPU or one CUDA GPU.
+
+The target answers prompts (the Self-Instruct seed tasks, the project's template and varied prompts, and requests
+it writes itself through its chat template), and its answers with its top-16 logits at every position are the
+labels. Every step resumes where it stopped: rerun the same command (with a larger --steps or --epochs to train
+on). OUT gets the weights, training.json and a model card (README.md); the data, features and checkpoints stay in
+--work. Nothing is written before the input is checked.
+
+\b
+KIND (what OUT holds):
+{kinds}
+
+\b
+Examples:
+  specrt train eagle --target ./my-qwen2 --out drafters/my-qwen2-eagle
+  specrt export --target ./my-qwen2 --eagle drafters/my-qwen2-eagle --out engines/mine
+  specrt build engines/mine
+  # one data set for several kinds:
+  specrt train data --target ./my-qwen2 --out build/my-data --data-calls 20
+  specrt train draft --target ./my-qwen2 --data build/my-data --out drafters/my-qwen2-draft"""
+
+
+def _default(text: str) -> str:
+    return f" Default: {text}."
+
+
+@main.command(help=_train_help(), short_help="Train a draft model, Medusa heads or an EAGLE drafter for a target.")
+@click.argument("kind", type=click.Choice(list(KINDS)))
+@click.option("--target", required=True,
+              help="The model to draft for, any source `specrt export` takes: 'smollm2-135m' or a local Hugging Face "
+                   "checkpoint directory (with its tokenizer).")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Where the result goes (kind data: the data directory). Files of the same names are replaced.")
+@click.option("--work", default=None, type=click.Path(file_okay=False),
+              help="Data, features and checkpoints; rerunning with it resumes." + _default("OUT.work"))
+@click.option("--data", default=None, type=click.Path(file_okay=False),
+              help="A data directory made before by `specrt train data` for this target (else the run makes its "
+                   "own in WORK/data).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the target answers and the drafter trains (cuda: one GPU, bf16 autocast).")
+@click.option("--threads", default=None, type=int, help="CPU threads." + _default("all cores"))
+@click.option("--max-minutes", default=0.0, show_default=True,
+              help="Time budget of each phase of this call (data, features, training; 0: none): training stops at "
+                   "a checkpoint and writes what it has; rerun to continue.")
+@click.option("--seed", default=0, show_default=True, help="Seeds the prompts, sampled answers and training.")
+@click.option("--dry-run", is_flag=True, help="Print the resolved settings (sized by the target) as JSON; write "
+                                              "nothing.")
+@click.option("--data-batch", default=None, type=click.IntRange(1),
+              help="Data: answers per generation call." + _default("128 for targets up to ~200 M parameters, "
+                                                                   "fewer for larger ones"))
+@click.option("--data-calls", default=None, type=click.IntRange(0),
+              help="Data: generation calls in all, at most (how much data)." + _default(
+                  "the recipe's 52: ~6,700 answers at 128 a call"))
+@click.option("--max-new-tokens", default=None, type=click.IntRange(1),
+              help="Data: tokens per answer at most." + _default("160"))
+@click.option("--num-template", default=None, type=click.IntRange(0),
+              help="Data: prompts composed from the templates." + _default("600"))
+@click.option("--steps", default=None, type=click.IntRange(1),
+              help="draft, eagle: optimizer steps in all." + _default("800 (draft), 1,500 (eagle)"))
+@click.option("--epochs", default=None, type=click.IntRange(1), help="medusa: epochs." + _default("1"))
+@click.option("--lr", default=None, type=float,
+              help="Peak learning rate (AdamW, cosine)." + _default("1e-3 (draft, medusa), 5e-4 (eagle)"))
+@click.option("--warmup", default=None, type=click.IntRange(1), help="draft, eagle: warm-up steps.")
+@click.option("--weight-decay", default=None, type=float, help="draft: AdamW weight decay." + _default("0.05"))
+@click.option("--batch-tokens", default=None, type=click.IntRange(1),
+              help="draft, eagle: tokens per step at most." + _default("8,192 (draft), 4,096 (eagle)"))
+@click.option("--layers", default=None,
+              help="draft: the target layers it starts from, comma-separated ids; eagle: decoder layers."
+                   + _default("draft: the first tenth of the target's layers, at least one; eagle: 1"))
+@click.option("--heads", default=None, type=click.IntRange(1), help="medusa: heads." + _default("4"))
+@click.option("--kept-vocab", default=None, type=click.IntRange(0),
+              help="Output ids the drafter keeps, the most frequent in the data (0: all); others get logit -inf, "
+                   "which costs speed only." + _default("all up to 16,384, else max(12,288, vocabulary / 8)"))
+@click.option("--vocab-from", default=None, type=click.Path(exists=True, file_okay=False),
+              help="medusa, eagle: take the kept ids of this drafter directory's specrt_vocab.json instead.")
+@click.option("--max-positions", default=None, type=click.IntRange(0),
+              help="medusa: train on a seeded subset of this many positions (0: all)." + _default("400,000"))
+@click.option("--eval-every", default=None, type=click.IntRange(1), help="draft, eagle: steps between evaluations.")
+@click.option("--save-every", default=None, type=click.IntRange(1), help="Steps between checkpoints.")
+@click.option("--init", default=None, type=click.Path(exists=True, file_okay=False),
+              help="draft, eagle: start from this trained drafter's weights (a warm start).")
+def train(kind, **options):
+    from specrt.export.train.run import TrainOptions, train as run
+    try:
+        plan = run(kind, TrainOptions(**options), command=" ".join(["specrt", *sys.argv[1:]]), log=_log)
+    except SpecrtError as e:
+        _fail(e)
+    if options["dry_run"]:
+        click.echo(json.dumps(plan.summary(), indent=1))
 
 
 def _register_bench():

@@ -28,3 +28,13 @@ class DeviceError(BackendError):
 
 class MemoryLimitError(SpecrtError):
     """An export or build that would not fit the memory available, said before the work starts (names the sizes)."""
+
+
+class CheckpointError(InputError):
+    """A drafter checkpoint that cannot be read safely or as the layout it claims: a pickle that holds more than
+    tensors, a file type specrt does not read, weights missing or of the wrong shape (names the file and the fix)."""
+
+
+class DrafterMismatchError(InputError):
+    """A drafter that does not fit its target (hidden size, vocabulary, architecture, layer ids): names both
+    values."""

@@ -37,10 +37,10 @@ def test_batched_rows_carry_the_targets_labels(tmp_path):
             assert (top == answer[:, None]).any(-1).float().mean() > 0.8
     assert json.loads(greedy.read_text().splitlines()[0])["dtype"] == "bfloat16"
     # the labels are the raw logits, before the sampling temperature: a sampled row's top values are the target's own
-    from specrt.export.train.data import _bf16_target
+    from specrt.export.train.data import bf16_target
     row, (values, _) = rows[3], labels[3]
     with torch.no_grad():
-        logits = _bf16_target().model(torch.tensor([row["ids"]])).logits[0].float()
+        logits = bf16_target("smollm2-135m").model(torch.tensor([row["ids"]])).logits[0].float()
     start = row["prompt_len"]
     own = logits[start - 1:-1].topk(16, dim=-1).values
     assert torch.allclose(values[start - 1:].float(), own, rtol=0.05, atol=0.5)

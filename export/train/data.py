@@ -5,10 +5,12 @@ Prompts come from three places, each row records which:
   template   prompts this module composes from its own templates and topic lists (seeded, reproducible)
   varied     longer, more varied requests composed by `prompts.py` (writing, role play, reasoning, math, code,
              extraction, science, humanities; constraints and follow-ups), seeded
-  self       requests the target writes itself (--num-self): given its chat template's user-turn prefix and the
-             first word or two of a request (writing, QA, translation, summarisation, maths, code, extraction,
-             role play, advice), it samples the rest of the request; kept in `<out dir>/self_prompts.jsonl`
-The MT-Bench prompts are the benchmark set and are never used here.
+  self       requests the target writes itself (--num-self): given its chat template's user-turn prefix (none
+             without a template) and the first word or two of a request (writing, QA, translation,
+             summarisation, maths, code, extraction, role play, advice), it samples the rest of the request; kept
+             in `<out dir>/self_prompts.jsonl`
+The MT-Bench prompts are the benchmark set and are never used here. A prompt reaches the target through its chat
+template (the user turn and the generation prompt), or as plain text where its tokenizer has none.
 
 Each prompt is answered greedily once (unless --no-greedy) and sampled `samples` times (temperature 0.7, the
 full distribution).
@@ -21,21 +23,25 @@ Two generators:
                 saved beside the file (`<out>.teacher/`) as the soft labels, so no second scoring pass is needed
   default       the target's ORT engine, one prompt per call; `train_draft` scores its rows afterwards
 `--human` adds, without generating, the seed tasks' own human-written answers in the chat format (mode "human").
+`make_data` runs the stages of a plan (`STAGES`, the recipe of the shipped drafters) one after the other; it is
+what `specrt train` calls.
 
     python -m specrt.export.train.data --out build/distill/data.jsonl --batched 128 --samples 16 --max-calls 60
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from specrt.export.sources import DEFAULT_TARGET
 
 SEED_TASKS = Path(__file__).parent / "data" / "seed_tasks.jsonl"
 
@@ -148,32 +154,33 @@ STARTERS = {
 
 
 def self_prompts(out: Path, n: int, seed: int, batch: int = 128, max_new_tokens: int = 96,
-                 deadline: float = float("inf")) -> list[dict]:
+                 deadline: float = float("inf"), src=None) -> list[dict]:
     """`n` requests the target writes itself (sampled at T = 0.8, top-p 0.95, from a starter of each kind in turn),
     written to `self_prompts.jsonl` beside `out` and read from there on later calls (resumable; past `deadline`,
     a time.time(), it writes no more and returns those written). A request that does not end within
-    `max_new_tokens` or has fewer than four words is dropped (its slot stays empty)."""
+    `max_new_tokens` or has fewer than four words is dropped (its slot stays empty). `src`: the target
+    (`bf16_target`; the default model if not given)."""
     path = out.parent / "self_prompts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if len(rows) >= n or not n:
         return [r for r in rows if r["prompt"] is not None][:n]
-    src = _bf16_target()
-    tok, eos = src.tokenizer, set(src.eos_token_ids)
-    marker = "\x00"
-    prefix = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False).split(marker)[0]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else src.eos_token_ids[0]
+    src = src or bf16_target(DEFAULT_TARGET)
+    tok, eos, device = src.tokenizer, set(src.eos_token_ids), src.model.device
+    prefix = user_prefix(tok)
+    pad = pad_id(src)
     kinds = [(kind, s) for kind, starters in STARTERS.items() for s in starters]
     rng = random.Random(f"self-{seed}")
     with path.open("a") as f:
         while len(rows) < n and time.time() < deadline:
             chunk = [(len(rows) + j, *kinds[(len(rows) + j) % len(kinds)]) for j in range(min(batch, n - len(rows)))]
-            ids = [_ids(tok(prefix + starter, add_special_tokens=False)["input_ids"]) for _, _, starter in chunk]
+            ids = [_ids(tok(prefix + starter, add_special_tokens=not tok.chat_template)["input_ids"])
+                   for _, _, starter in chunk]
             width = max(map(len, ids))
             torch.manual_seed(rng.randrange(1 << 31))
             with torch.no_grad():
                 seqs = src.model.generate(
-                    input_ids=torch.tensor([[pad] * (width - len(x)) + x for x in ids]),
-                    attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
+                    input_ids=torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device),
+                    attention_mask=torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device),
                     max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_p=0.95, top_k=0,
                     pad_token_id=pad, eos_token_id=sorted(eos))[:, width:].tolist()
             new = []
@@ -199,6 +206,84 @@ def all_prompts(num_template: int, seed: int, num_varied: int = 0, self_written:
     for i in range(max(map(len, sources))):
         rows += [r[i] for r in sources if i < len(r)]
     return rows
+
+
+DATA_FILE, PLAN_FILE = "data.jsonl", "data.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a data plan: batched generation calls until there are `calls` in all, answering the prompts
+    it names (seed tasks and `num_template` templates always, then `num_varied` varied ones and `num_self`
+    requests the target writes itself); a stage also ends when its prompts are all answered."""
+    calls: int
+    samples: int = 0          # sampled answers per prompt (the full distribution at the plan's temperature)
+    greedy: bool = True       # and one greedy answer
+    num_varied: int = 0
+    num_self: int = 0
+
+
+# The shipped drafters' plan (at 128 answers a call): greedy answers to the seed tasks and templates, sampled ones
+# (16, then 4 a prompt), then greedy answers to more and more varied prompts and, last, to requests the target
+# writes itself.
+STAGES = (Stage(7), Stage(8, samples=16, greedy=False), Stage(18, samples=4, greedy=False),
+          Stage(31, num_varied=1600), Stage(44, num_varied=3200), Stage(52, num_varied=3200, num_self=1024))
+
+
+@dataclass
+class DataConfig:
+    target: str = DEFAULT_TARGET
+    out: str = "build/distill"        # the data directory: data.jsonl, data.teacher/, self_prompts.jsonl, data.json
+    batch: int = 128                  # answers per generation call
+    max_new_tokens: int = 160
+    num_template: int = 600
+    calls: int = 0                    # generation calls in all at most (0: the plan's)
+    temperature: float = 0.7
+    seed: int = 0
+    device: str = "cpu"
+    max_minutes: float = 0.0          # this call's budget (0: none); rerun to continue
+
+
+def make_data(cfg: DataConfig, vocab_size: int, stages: tuple[Stage, ...] = STAGES) -> Path:
+    """The plan's stages in turn, each resumable (a stage whose calls are made, or whose prompts are all
+    answered, is skipped without loading the target); returns the data file. `data.json` records the target's
+    vocabulary size (data made for another target is refused) and the stages whose prompts ran out."""
+    directory = Path(cfg.out)
+    check_data_dir(directory, cfg.target, vocab_size)
+    directory.mkdir(parents=True, exist_ok=True)
+    plan_file, out = directory / PLAN_FILE, directory / DATA_FILE
+    plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {"exhausted": []}
+    plan.update(target=cfg.target, vocab_size=vocab_size)
+    plan_file.write_text(json.dumps(plan) + "\n")
+    deadline = time.time() + 60 * cfg.max_minutes if cfg.max_minutes else float("inf")
+    src = None
+    for i, stage in enumerate(stages):
+        calls = min(stage.calls, cfg.calls) if cfg.calls else stage.calls
+        if i in plan["exhausted"] or row_calls(out.with_suffix(".teacher")) >= calls:
+            continue
+        if time.time() > deadline:
+            print("the data's time budget is spent; rerun to continue")
+            break
+        src = src or bf16_target(cfg.target, cfg.device)
+        left = generate_batched(out, cfg.max_new_tokens, stage.samples, cfg.temperature,
+                                (deadline - time.time()) / 60, cfg.num_template, cfg.seed, cfg.batch, stage.greedy,
+                                max_calls=calls, num_varied=stage.num_varied, num_self=stage.num_self, src=src)
+        if not left:
+            plan["exhausted"].append(i)
+            plan_file.write_text(json.dumps(plan) + "\n")
+    return out
+
+
+def check_data_dir(directory: Path, target: str, vocab_size: int) -> None:
+    """Refuses data made for a target of another vocabulary (its labels are that target's ids)."""
+    from specrt.errors import InputError
+    plan_file = Path(directory) / PLAN_FILE
+    if plan_file.is_file():
+        made = json.loads(plan_file.read_text())
+        if made.get("vocab_size") != vocab_size:
+            raise InputError(f"{directory} holds data made for {made.get('target')!r} (vocabulary "
+                             f"{made.get('vocab_size')}), not for {target!r} (vocabulary {vocab_size}): pass "
+                             "another data directory")
 
 
 def generate(engines: str, out: Path, max_new_tokens: int, samples: int, temperature: float,
@@ -237,12 +322,38 @@ def generate(engines: str, out: Path, max_new_tokens: int, samples: int, tempera
             bar.update(task, advance=1, description=f"distilling ({tokens} tokens)")
 
 
-@functools.lru_cache(maxsize=1)
-def _bf16_target():
+def bf16_target(name: str, device: str = "cpu"):
+    """The target `name` (a model source) in bfloat16 on `device`, with a tokenizer (the prompts are text)."""
+    from specrt.errors import InputError
     from specrt.export.sources import load_source
-    src = load_source("smollm2-135m")
-    src.model.to(torch.bfloat16)
+    src = load_source(name)
+    if src.tokenizer is None:
+        raise InputError(f"target {name!r} has no tokenizer: the training prompts are text; put the tokenizer's "
+                         "files (tokenizer.json, tokenizer_config.json) in its checkpoint directory")
+    src.model.to(device=device, dtype=torch.bfloat16)
     return src
+
+
+def pad_id(src) -> int:
+    tok = src.tokenizer
+    return tok.pad_token_id if tok.pad_token_id is not None else (src.eos_token_ids or [0])[0]
+
+
+def user_prefix(tok) -> str:
+    """What precedes a user's request: the chat template's user-turn prefix ("" without a template)."""
+    if not tok.chat_template:
+        return ""
+    marker = "\x00"
+    return tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False).split(marker)[0]
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """A request as the target reads it, as `Generator.encode` writes it: the chat template's user turn and
+    generation prompt, or the plain text (with the tokenizer's special tokens) where there is no template."""
+    if tok.chat_template:
+        return _ids(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True))
+    return _ids(tok(text)["input_ids"])
 
 
 class _TopK(LogitsProcessor):
@@ -255,26 +366,28 @@ class _TopK(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         top = scores.float().topk(self.k, dim=-1)
-        self.values.append(top.values.half())
-        self.index.append(top.indices.int())
+        self.values.append(top.values.half().cpu())
+        self.index.append(top.indices.int().cpu())
         return scores
 
 
 def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: float, max_minutes: float,
                      num_template: int, seed: int, batch: int, greedy: bool = True, topk: int = 16,
-                     max_calls: int = 0, num_varied: int = 0, num_self: int = 0) -> None:
+                     max_calls: int = 0, num_varied: int = 0, num_self: int = 0, target: str = DEFAULT_TARGET,
+                     device: str = "cpu", src=None) -> int:
     """The same rows as `generate`, produced by the target's transformers model in bfloat16, `batch` answers
     per call (greedy: `batch` prompts; sampled: batch // samples prompts x `samples` answers). On a CPU with
     bf16 matrix units this is about ten times the tokens per second of B=1 decoding. The target's top-k logits
     at every answer position come with it, as the soft labels of the draft (`<out>.teacher/`, one file per
     call, keyed by row number; a prompt position's label is its next token). The answers and labels are the
-    target's up to bf16 rounding."""
+    target's up to bf16 rounding. `target`: the model source (`src`: it already loaded by `bf16_target`).
+    Returns the prompt jobs left (0: every prompt answered)."""
     from rich.progress import Progress
 
     deadline = time.time() + 60 * max_minutes   # the whole run's budget, the self-written requests included
-    src = _bf16_target()
+    src = src or bf16_target(target, device)
     model, tok, eos = src.model, src.tokenizer, set(src.eos_token_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else src.eos_token_ids[0]
+    pad = pad_id(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     shards = out.with_suffix(".teacher")
     shards.mkdir(exist_ok=True)
@@ -283,10 +396,9 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
         if int(stale.stem) >= len(lines):
             stale.unlink()
     done = {(r["prompt_id"], r["mode"]) for r in map(json.loads, lines)}
-    prompts = all_prompts(num_template, seed, num_varied, self_prompts(out, num_self, seed, batch, deadline=deadline))
-    encoded = {p["prompt_id"]: _ids(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                                              add_generation_prompt=True, tokenize=True))
-               for p in prompts}
+    prompts = all_prompts(num_template, seed, num_varied,
+                          self_prompts(out, num_self, seed, batch, deadline=deadline, src=src))
+    encoded = {p["prompt_id"]: encode_prompt(tok, p["prompt"]) for p in prompts}
     # prompts of similar length share a call (little padding); short ones first, so a cut run has the most rows
     jobs = [(mode, p) for mode in (["greedy"] if greedy else []) + (["sampled"] if samples else [])
             for p in sorted(prompts, key=lambda p: len(encoded[p["prompt_id"]]))
@@ -298,18 +410,18 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
         while jobs:
             if max_calls and row_calls(shards) >= max_calls:
                 bar.console.print(f"{max_calls} calls done; {len(jobs)} prompt jobs left")
-                break
+                return len(jobs)
             if time.time() > deadline:
                 bar.console.print(f"time budget reached; {len(jobs)} prompt jobs left (rerun to continue)")
-                break
+                return len(jobs)
             mode = jobs[0][0]
             n = samples if mode == "sampled" else 1
             chunk = [p for m, p in jobs[:max(1, batch // n)] if m == mode]
             jobs = jobs[len(chunk):]
             ids = [encoded[p["prompt_id"]] for p in chunk]
             width = max(map(len, ids))
-            inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-            attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            inputs = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
+            attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
             batch_seed = seed + zlib.crc32(chunk[0]["prompt_id"].encode())
             torch.manual_seed(batch_seed)
             sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if mode == "sampled" \
@@ -344,6 +456,7 @@ def generate_batched(out: Path, max_new_tokens: int, samples: int, temperature: 
             f.flush()
             row += len(rows)
             bar.update(task, advance=len(chunk), description=f"distilling ({tokens} tokens)")
+    return 0
 
 
 def row_calls(shards: Path) -> int:
@@ -374,6 +487,7 @@ def _ids(x) -> list[int]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="with --batched: the model source that answers")
     ap.add_argument("--engines", default="engines/default")
     ap.add_argument("--out", type=Path, default=Path("build/distill/data.jsonl"))
     ap.add_argument("--max-new-tokens", type=int, default=160)
@@ -405,7 +519,8 @@ def main(argv=None) -> None:
         return
     if a.batched:
         generate_batched(a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
-                         a.batched, a.greedy, max_calls=a.max_calls, num_varied=a.num_varied, num_self=a.num_self)
+                         a.batched, a.greedy, max_calls=a.max_calls, num_varied=a.num_varied, num_self=a.num_self,
+                         target=a.target)
         return
     generate(a.engines, a.out, a.max_new_tokens, a.samples, a.temperature, a.max_minutes, a.num_template, a.seed,
              a.greedy, a.num_varied)

@@ -1,10 +1,10 @@
 """Train a small draft model for the target by distillation on the target's own answers.
 
-The draft is a transformers LlamaForCausalLM over the target's tokenizer (so it also serves as a transformers
-`assistant_model`): the target's embeddings (tied with its output head), a few of the target's layers and its
-final norm. Only the layers and the norm train; the embeddings stay the target's. The draft's engine keeps a
-reduced output vocabulary: the K ids most frequent in the distilled data and among the teacher's top-4
-predictions at every scored position, topped up with the lowest ids (the earliest BPE merges), written to
+The draft is a transformers model of the target's own class over its tokenizer (so it also serves as a
+transformers `assistant_model`): the target's embeddings and output head, a few of the target's layers and its
+final norm. Only the layers and the norm train; the embeddings and the output head stay the target's. The draft's
+engine keeps a reduced output vocabulary: the K ids most frequent in the distilled data and among the teacher's
+top-4 predictions at every scored position, topped up with the lowest ids (the earliest BPE merges), written to
 `specrt_vocab.json`.
 
 Three steps, each resumable (rerun the same command):
@@ -30,10 +30,13 @@ from pathlib import Path
 
 import torch
 
+from specrt.export.sources import DEFAULT_TARGET
+
 
 @dataclass
 class TrainConfig:
     data: str = "build/distill/data.jsonl"   # one or more JSON-lines files, comma-separated (rows in order)
+    target: str = DEFAULT_TARGET          # the model source the draft is distilled from
     engines: str = "engines/default"
     work: str = "build/draft-train"
     out: str = "export/drafters/smollm2-135m-draft"
@@ -53,6 +56,11 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     autocast: str = "bfloat16"            # compute dtype of the forward and backward passes ("float32": none)
+    device: str = "cpu"
+
+
+# settings a checkpoint may be resumed with when they differ (a larger --steps trains on from it)
+RESUMABLE_WITH = ("out", "steps", "max_minutes", "score_minutes", "threads", "device")
 
 
 def load_rows(paths: str) -> list[dict]:
@@ -82,6 +90,15 @@ def choose_vocab(rows: list[dict], vocab_size: int, k: int, always: list[int],
         kept.add(t)
         t += 1
     return sorted(kept)
+
+
+def kept_vocab(data: str, vocab_size: int, k: int, always: list[int]) -> list[int]:
+    """`choose_vocab` over the training rows of `data` and their labels (the Medusa heads' and the EAGLE
+    drafter's kept ids, chosen as the draft's are)."""
+    rows, labels = load_rows(data), load_labels(data)
+    train_rows = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
+    return choose_vocab([rows[i] for i in train_rows], vocab_size, k, always,
+                        [labels[i][1][:, :4] for i in train_rows if i in labels])
 
 
 # ---- teacher ------------------------------------------------------------------------------------------------
@@ -129,21 +146,26 @@ def score(engines: str, rows: list[dict], topk: int, path: Path, max_minutes: fl
 
 # ---- model --------------------------------------------------------------------------------------------------
 def init_draft(target, layers: tuple[int, ...]):
-    """A LlamaForCausalLM of `len(layers)` layers holding copies of the target's embeddings, layers and norm."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """A model of the target's class and configuration with `len(layers)` layers, holding copies of the target's
+    embeddings, those layers (in that order), its final norm and its output head."""
+    bad = [i for i in layers if not 0 <= i < target.config.num_hidden_layers]
+    if not layers or bad:
+        from specrt.errors import InputError
+        raise InputError(f"--layers {','.join(map(str, layers))}: the target has layers 0 to "
+                         f"{target.config.num_hidden_layers - 1}; name at least one of them")
     cfg = target.config.to_dict()
     for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
                 "torch_dtype", "quantization_config"):
         cfg.pop(key, None)
-    cfg.update(num_hidden_layers=len(layers), tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
-    draft = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    cfg.update(num_hidden_layers=len(layers), architectures=[type(target).__name__])
+    if isinstance(cfg.get("layer_types"), list):   # per-layer attention kinds (sliding windows): the kept layers'
+        cfg["layer_types"] = [cfg["layer_types"][i] for i in layers]
+    draft = type(target)(type(target.config)(**cfg)).float()
     src = target.state_dict()
-    state = {k: src[k] for k in ("model.embed_tokens.weight", "model.norm.weight")}
+    state = {k: v for k, v in src.items() if not k.startswith("model.layers.")}
     for new, old in enumerate(layers):
         prefix = f"model.layers.{old}."
         state.update({f"model.layers.{new}.{k[len(prefix):]}": v for k, v in src.items() if k.startswith(prefix)})
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
     draft.load_state_dict(state, strict=True)
     draft.generation_config.eos_token_id = target.generation_config.eos_token_id
     return draft
@@ -193,7 +215,7 @@ def draft_logits(model, ids, mask, kept: torch.Tensor, loss_mask, autocast: str 
     """Logits over the kept ids at the loss positions (N, K), float32; the passes run under autocast to that
     dtype (bf16 matrix units make training several times faster on CPUs that have them; weights stay float32;
     "float32" turns it off)."""
-    with torch.autocast("cpu", dtype=getattr(torch, autocast), enabled=autocast != "float32"):
+    with torch.autocast(ids.device.type, dtype=getattr(torch, autocast), enabled=autocast != "float32"):
         hidden = model.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state   # (B, S, d)
         head = model.lm_head.weight.index_select(0, kept)                                  # (K, d)
         return (hidden[loss_mask] @ head.T).float()                                        # (N, K)
@@ -214,14 +236,18 @@ def evaluate(model, val: list[int], rows, teacher, remap, kept, batch_tokens, au
     loss = 0.0
     greedy = [i for i in val if rows[i]["mode"] == "greedy"]
     for batch in batches(greedy, rows, batch_tokens, random.Random(0)):
-        ids, mask, lm, t_idx, t_val = collate(batch, rows, teacher, remap, answers_only=True)
+        ids, mask, lm, t_idx, t_val = on(kept.device, *collate(batch, rows, teacher, remap, answers_only=True))
         logits = draft_logits(model, ids, mask, kept, lm, autocast)
-        top = teacher_top1(batch, rows, teacher, lm)
+        top = teacher_top1(batch, rows, teacher, lm.cpu()).to(kept.device)
         agree += int((kept[logits.argmax(-1)] == top).sum())
         total += len(top)
         loss += float(soft_loss(logits, t_idx[lm], t_val[lm])) * len(top)
     model.train()
     return {"agreement": agree / max(total, 1), "loss": loss / max(total, 1), "positions": total}
+
+
+def on(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
 
 
 def teacher_top1(batch, rows, teacher, loss_mask):
@@ -237,6 +263,7 @@ def teacher_top1(batch, rows, teacher, loss_mask):
 def train(cfg: TrainConfig) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from specrt.errors import InputError
     from specrt.export.sources import load_source
 
     torch.set_num_threads(cfg.threads)
@@ -247,22 +274,25 @@ def train(cfg: TrainConfig) -> None:
     teacher = score(cfg.engines, rows, cfg.topk, work / "teacher.pt", cfg.score_minutes, load_labels(cfg.data))
     for i, (values, _) in teacher.items():
         if values.shape[0] != len(rows[i]["ids"]) - 1:
-            raise SystemExit(f"{work / 'teacher.pt'} does not match {cfg.data} (row {i}); delete it to rescore")
-    target = load_source("smollm2-135m")
-    eos = target.eos_token_ids
+            raise InputError(f"{work / 'teacher.pt'} does not match {cfg.data} (row {i}); delete it to rescore")
+    target = load_source(cfg.target)
+    eos, V = target.eos_token_ids, target.model.config.vocab_size
     train_rows = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
-    kept_ids = choose_vocab([rows[i] for i in train_rows], target.model.config.vocab_size, cfg.kept_vocab, eos,
+    kept_ids = choose_vocab([rows[i] for i in train_rows], V, cfg.kept_vocab or V, eos,
                             [teacher[i][1][:, :4] for i in train_rows if i in teacher])
     kept = torch.tensor(kept_ids)
-    remap = torch.full((target.model.config.vocab_size,), -1, dtype=torch.long)
+    remap = torch.full((V,), -1, dtype=torch.long)
     remap[kept] = torch.arange(len(kept))
     if cfg.init:
-        from transformers import LlamaForCausalLM
-        model = LlamaForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
     else:
         model = init_draft(target.model, cfg.layers)
     del target
-    model.model.embed_tokens.weight.requires_grad_(False)   # tied with lm_head: the target's, frozen
+    model.to(cfg.device)
+    kept = kept.to(cfg.device)
+    for frozen in (model.get_input_embeddings(), model.get_output_embeddings()):   # the target's (maybe tied)
+        frozen.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (
@@ -271,19 +301,21 @@ def train(cfg: TrainConfig) -> None:
     val_ids = [i for i, r in enumerate(rows) if i in teacher and is_val(r["prompt_id"])]
     answers = [teacher[i][1][rows[i]["prompt_len"] - 1:, 0].long() for i in val_ids if rows[i]["mode"] == "greedy"]
     coverage = float((remap[torch.cat(answers)] >= 0).float().mean()) if answers else None
-    print(f"{len(kept_ids)} kept ids cover {coverage:.3f} of the target's greedy tokens on held-out answers")
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
+    if coverage is not None:
+        print(f"{len(kept_ids)} kept ids cover {coverage:.3f} of the target's greedy tokens on held-out answers")
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0, "sessions": []}
     best: dict = {}   # weights at the best held-out agreement so far
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        same = ("max_minutes", "score_minutes", "threads")   # settings that do not change what is trained
-        if saved["config"] != asdict(cfg) | {k: saved["config"][k] for k in same}:
-            raise SystemExit(f"{ckpt} was written with another configuration; delete {work} to start over")
+        made = {**asdict(TrainConfig()), **saved["config"]}   # settings added since take their defaults
+        if {k: v for k, v in made.items() if k not in RESUMABLE_WITH} != \
+                {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_WITH}:
+            raise InputError(f"{ckpt} was written with another configuration; delete {work} to start over")
         model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
-        state = saved["state"]
+        state = {"sessions": [], **saved["state"]}
         best.update(saved.get("best", {}))
         torch.set_rng_state(saved["rng"])
         print(f"resumed at step {state['step']}")
@@ -303,7 +335,8 @@ def train(cfg: TrainConfig) -> None:
         (work / "ckpt.tmp").replace(ckpt)
 
     started = time.time() - state["wall_s"]
-    session_end = time.time() + 60 * cfg.max_minutes
+    session_end = time.time() + 60 * cfg.max_minutes if cfg.max_minutes else float("inf")
+    state["sessions"].append([state["step"], state["step"]])   # this call's first and last step
     model.train()
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn()]
@@ -314,7 +347,8 @@ def train(cfg: TrainConfig) -> None:
             if state["batch"] >= len(order):
                 state["epoch"], state["batch"] = state["epoch"] + 1, 0
                 continue
-            ids, mask, lm, t_idx, t_val = collate(order[state["batch"]], rows, teacher, remap, answers_only=True)
+            ids, mask, lm, t_idx, t_val = on(cfg.device, *collate(order[state["batch"]], rows, teacher, remap,
+                                                                   answers_only=True))
             loss = soft_loss(draft_logits(model, ids, mask, kept, lm, cfg.autocast), t_idx[lm], t_val[lm])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -324,13 +358,15 @@ def train(cfg: TrainConfig) -> None:
             state["step"] += 1
             state["batch"] += 1
             state["wall_s"] = time.time() - started
+            state["train_loss"] = loss.item()
+            state["sessions"][-1][1] = state["step"]
             bar.update(task, advance=1, description=f"training (loss {loss.item():.3f}, epoch {state['epoch']})")
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
                 m = evaluate(model, val_ids, rows, teacher, remap, kept, cfg.batch_tokens, cfg.autocast)
                 state["history"].append({"step": state["step"], "train_loss": loss.item(), **m})
                 bar.console.print(f"step {state['step']}: val agreement {m['agreement']:.3f} loss {m['loss']:.3f}")
-                if m["agreement"] > state.get("best_agreement", -1.0):   # the draft that ships: the best seen
-                    state.update(best_step=state["step"], best_agreement=m["agreement"])
+                if m["positions"] and m["agreement"] > state.get("best_agreement", -1.0):   # the draft that ships:
+                    state.update(best_step=state["step"], best_agreement=m["agreement"])     # the best seen
                     best.update({k: v.clone() for k, v in trainable().items()})
             if state["step"] % cfg.save_every == 0:
                 save()
@@ -340,9 +376,11 @@ def train(cfg: TrainConfig) -> None:
     if best:
         model.load_state_dict(best, strict=False)
         print(f"writing the draft of step {state['best_step']} (held-out agreement {state['best_agreement']:.3f})")
-    save_draft(model, kept_ids, Path(cfg.out), {
+    save_draft(model.cpu(), kept_ids, Path(cfg.out), {
         "config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"], "steps_done": state["step"],
-        "rows": len(rows), "train_rows": len(train_ids), "val_rows": len(val_ids), "kept_coverage": coverage})
+        "sessions": state["sessions"], "train_loss": state.get("train_loss"), "rows": len(rows),
+        "train_rows": len(train_ids), "val_rows": len(val_ids), "kept_coverage": coverage,
+        "best_step": state.get("best_step")})
 
 
 def save_draft(model, kept_ids: list[int], out: Path, record: dict) -> None:

@@ -9,7 +9,9 @@ features get uniform noise (EAGLE). With --own-weight > 0, --unroll − 1 more p
 predictions of the pass before (detached, shifted into place) instead of the target's features and learn the same
 targets, each with that weight: at draft time every level below the first reads predicted features, level k + 1
 features k steps from the target's. Held-out prompts: the draft's (1 in 16, by name).
-Checkpoint every --save-every steps in --work; rerun the same command to resume. --init DIR starts from a
+Checkpoint every --save-every steps in --work; rerun the same command to resume (a larger --steps trains on from
+the checkpoint). Kept output ids: a drafter directory's (--vocab), else --kept-vocab ids chosen from the data as the
+draft's are (0: all). --init DIR starts from a
 trained drafter's weights instead of random ones (a warm start when the data grows); with --layers above its
 count, the added layers start as no-ops (their output projections zero), so training starts from its outputs.
 
@@ -29,16 +31,20 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from specrt.errors import InputError
 from specrt.export.eagle import TRAINED, EagleModel, load_eagle, new_eagle, renamed, save_eagle
+from specrt.export.sources import DEFAULT_TARGET
 from specrt.export.train.train_draft import is_val, load_labels, load_rows
 
 
 @dataclass
 class EagleTrainConfig:
     data: str = "build/distill/data.jsonl"
+    target: str = DEFAULT_TARGET
     work: str = "build/eagle-train"
     out: str = "export/drafters/smollm2-135m-eagle"
-    vocab: str = "export/drafters/smollm2-135m-draft"   # the kept output ids of this directory ("": all)
+    vocab: str = "export/drafters/smollm2-135m-draft"   # the kept output ids of this directory ("": --kept-vocab)
+    kept_vocab: int = 0         # without --vocab: this many ids chosen from the data (0: all)
     init: str = ""              # a trained drafter directory to start from ("": random weights)
     layers: int = 1             # decoder layers (more than --init has: the added ones start as no-ops)
     steps: int = 1500
@@ -56,10 +62,11 @@ class EagleTrainConfig:
     feature_minutes: float = 30.0
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"
 
 
-RESUME_KEYS = ("vocab", "layers", "steps", "batch_tokens", "lr", "warmup", "feature_weight", "token_weight",
-               "own_weight", "unroll", "noise", "seed")
+RESUME_KEYS = ("target", "vocab", "kept_vocab", "layers", "batch_tokens", "lr", "warmup", "feature_weight",
+               "token_weight", "own_weight", "unroll", "noise", "seed")
 
 
 def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
@@ -72,20 +79,21 @@ def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
     feats = torch.load(path) if path.is_file() else []
     if len(feats) >= len(rows):
         return feats[:len(rows)]
-    model = load_source("smollm2-135m").model.model.to(torch.bfloat16)
-    deadline = time.time() + 60 * cfg.feature_minutes
+    model = load_source(cfg.target).model.model.to(device=cfg.device, dtype=torch.bfloat16)
+    deadline = time.time() + 60 * cfg.feature_minutes if cfg.feature_minutes else float("inf")
     todo = list(range(len(feats), len(rows)))
     with Progress() as bar, torch.no_grad():
         task = bar.add_task("target features", total=len(todo))
         for s in range(0, len(todo), 16):     # rows in order: the cache is a prefix of the data
             if time.time() > deadline:
-                raise SystemExit(f"--feature-minutes reached with {len(feats)} of {len(rows)} rows; rerun to go on")
+                raise FeaturesUnfinished(f"the features' time budget ran out with {len(feats)} of {len(rows)} rows "
+                                         "done (they are kept); rerun to go on")
             batch = todo[s:s + 16]
             S = max(len(rows[i]["ids"]) for i in batch)
             ids = torch.zeros(len(batch), S, dtype=torch.long)
             for b, i in enumerate(batch):
                 ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
-            h = model(input_ids=ids).last_hidden_state                              # (b, S, d), causal: pad last
+            h = model(input_ids=ids.to(cfg.device)).last_hidden_state.cpu()       # (b, S, d), causal: pad last
             feats += [h[b, :len(rows[i]["ids"])].half().clone() for b, i in enumerate(batch)]
             bar.advance(task, len(batch))
             if (s // 16) % 8 == 7 or s + 16 >= len(todo):
@@ -93,6 +101,10 @@ def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
                 torch.save(feats, path.with_suffix(".tmp"))
                 path.with_suffix(".tmp").replace(path)
     return feats
+
+
+class FeaturesUnfinished(InputError):
+    """The features' time budget ran out (the cache keeps what was computed; a rerun goes on)."""
 
 
 def collate(batch: list[int], rows, feats, teacher, remap):
@@ -131,10 +143,10 @@ def losses(model: EagleModel, pred, target, t_idx, t_val, fmask, tmask, cfg) -> 
 
 
 def step_loss(model: EagleModel, batch, cfg, noise: bool) -> tuple[torch.Tensor, dict]:
-    f, ids, target, t_idx, t_val, fmask, tmask = batch
+    f, ids, target, t_idx, t_val, fmask, tmask = (t.to(cfg.device) for t in batch)
     if noise:
         f = f + (torch.rand_like(f) - 0.5) * cfg.noise
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(f.device.type, dtype=torch.bfloat16):
         pred = model.train_forward(f, ids)                                          # (b, S, d)
         loss, stats = losses(model, pred, target, t_idx, t_val, fmask, tmask, cfg)
         for k in range(1, cfg.unroll if cfg.own_weight > 0 else 1):
@@ -164,6 +176,8 @@ def batches(items: list[int], rows, batch_tokens: int, rng: random.Random) -> li
 
 @torch.no_grad()
 def evaluate(model, val, rows, feats, teacher, remap, cfg) -> dict:
+    if not val:   # no held-out rows (a small data set)
+        return {}
     totals: dict = {}
     for batch in batches(val, rows, cfg.batch_tokens, random.Random(0)):
         _, stats = step_loss(model, collate(batch, rows, feats, teacher, remap), cfg, noise=False)
@@ -176,9 +190,10 @@ def train(cfg: EagleTrainConfig) -> None:
     from rich.progress import Progress
 
     from specrt.export.model import from_hf
-    from specrt.export.sources import load_source, read_vocab_subset
+    from specrt.export.sources import load_source
+    from specrt.export.train.train_medusa import read_kept
     if cfg.layers < 1:
-        raise SystemExit(f"--layers {cfg.layers}: the drafter needs at least one decoder layer")
+        raise InputError(f"--layers {cfg.layers}: the drafter needs at least one decoder layer")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     work = Path(cfg.work)
@@ -186,17 +201,18 @@ def train(cfg: EagleTrainConfig) -> None:
     teacher = load_labels(cfg.data)
     rows = rows[:next((i for i in range(len(rows)) if i not in teacher), len(rows))]   # the labelled prefix
     feats = features(cfg, rows)
-    src = load_source("smollm2-135m")
+    src = load_source(cfg.target)
     V = src.model.config.vocab_size
-    kept = read_vocab_subset(Path(cfg.vocab), V) if cfg.vocab else None
-    target = from_hf(src.model, 2048)
+    kept = read_kept(cfg, V)
+    target = from_hf(src.model, max(2048, max(len(r["ids"]) for r in rows)))   # rope tables for every row
     model = new_eagle(target, kept, cfg.seed, cfg.layers).train()
     if cfg.init:   # a warm start (a checkpoint in --work, when there is one, replaces it below)
         init = load_eagle(cfg.init, target)
         if len(init.layers) > cfg.layers:
-            raise SystemExit(f"--init {cfg.init} has {len(init.layers)} layers, more than --layers {cfg.layers}")
+            raise InputError(f"--init {cfg.init} has {len(init.layers)} layers, more than --layers {cfg.layers}")
         model.grow_from(init)
     del src, target
+    model.to(cfg.device)
     remap = torch.arange(V) if kept is None else torch.full((V,), -1, dtype=torch.long)
     if kept is not None:
         remap[torch.tensor(kept)] = torch.arange(len(kept))
@@ -206,18 +222,18 @@ def train(cfg: EagleTrainConfig) -> None:
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     train_ids = [i for i, r in enumerate(rows) if not is_val(r["prompt_id"])]
     val_ids = [i for i, r in enumerate(rows) if is_val(r["prompt_id"])][:64]
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0, "sessions": []}
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         made = {k: saved["config"].get(k, getattr(EagleTrainConfig, k)) for k in RESUME_KEYS}
         if made != {k: v for k, v in asdict(cfg).items() if k in RESUME_KEYS}:
-            raise SystemExit(f"{ckpt} was made with other settings ({made}): delete it to start over, or pass "
+            raise InputError(f"{ckpt} was made with other settings ({made}): delete it to start over, or pass "
                              "another --work")
         model.load_state_dict(renamed(saved["model"]), strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
-        state = saved["state"]
+        state = {"sessions": [], **saved["state"]}
         print(f"resumed at step {state['step']}")
 
     def save():
@@ -225,7 +241,9 @@ def train(cfg: EagleTrainConfig) -> None:
                     "sched": sched.state_dict(), "state": state}, work / "ckpt.tmp")
         (work / "ckpt.tmp").replace(ckpt)
 
-    started, session_end = time.time() - state["wall_s"], time.time() + 60 * cfg.max_minutes
+    started = time.time() - state["wall_s"]
+    session_end = time.time() + 60 * cfg.max_minutes if cfg.max_minutes else float("inf")
+    state["sessions"].append([state["step"], state["step"]])   # this call's first and last step
     with Progress() as bar:
         task = bar.add_task("training", total=cfg.steps, completed=state["step"])
         while state["step"] < cfg.steps and time.time() < session_end:
@@ -242,6 +260,8 @@ def train(cfg: EagleTrainConfig) -> None:
             state["step"] += 1
             state["batch"] += 1
             state["wall_s"] = time.time() - started
+            state["train_loss"] = loss.item()
+            state["sessions"][-1][1] = state["step"]
             bar.update(task, advance=1, description=f"training (loss {loss.item():.3f}, agreement "
                                                     f"{stats['agreement']:.2f}, epoch {state['epoch']})")
             if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
@@ -254,10 +274,10 @@ def train(cfg: EagleTrainConfig) -> None:
     if state["step"] < cfg.steps:
         print(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
     out = Path(cfg.out)
-    save_eagle(model, out)
+    save_eagle(model.cpu(), out)
     record = {"config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"],
-              "steps_done": state["step"], "rows": len(rows), "train_rows": len(train_ids),
-              "val_rows": len(val_ids)}
+              "steps_done": state["step"], "sessions": state["sessions"], "train_loss": state.get("train_loss"),
+              "rows": len(rows), "train_rows": len(train_ids), "val_rows": len(val_ids)}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"saved {out}")
 

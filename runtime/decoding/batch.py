@@ -168,7 +168,9 @@ class Batch:
         j.cache.past_len += S
         j.done += S
         if self.drafter is not None:
-            self.drafter.prefill(run, j.row, prompt, start, out.hidden)
+            # an EAGLE-3 drafter reads the target's aux states (the inputs of three layers) where others read hidden
+            feats = out.aux if getattr(self.drafter, "aux", None) else out.hidden
+            self.drafter.prefill(run, j.row, prompt, start, feats)
         if j.done < m:
             return None
         self._join(j, out)

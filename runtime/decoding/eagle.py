@@ -15,6 +15,11 @@ exactly EAGLE-2) and verify it with the loop's lossless tree rules. Each level i
 its ancestors (an expansion node must see them, and they are not in the cache), with its output features fed
 to its children; the expansion passes write nothing to the cache.
 
+An EAGLE-3 drafter (specrt.export.eagle3: the engine's spec has `aux_size`) reads the target's `aux` states (the
+inputs of three of its layers) where EAGLE reads its `hidden`: the history keeps those, a catch-up feeds them as
+the graph's `aux` input (its `features` zero), and a tree level feeds the drafter's own features (its `aux` zero).
+Its logits are over its draft ids, mapped to the target's through the engine set's output ids (d2t).
+
 Prompt lookup's continuation joins the candidates as a chain (see PromptLookup), weighed like them; where the
 target verifies chains only (int8 activations), it takes the place of the drafter's chain in the rows where it
 promises more accepted tokens.
@@ -92,8 +97,10 @@ class EagleDrafter:
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
         self.kept, self.narrow = output_ids, output_ids is not None
+        self.aux = getattr(engine, "spec", {}).get("aux_size")   # EAGLE-3: the width of the target states it reads
+        self._zeros: dict[tuple, torch.Tensor] = {}   # (B, S, width) -> the zero input a pass does not use
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
-        self._feeds: dict[tuple[int, int], tuple] = {}   # the CPU's host path: per pass shape, bound inputs
+        self._feeds: dict[tuple, tuple] = {}   # the CPU's host path: per pass shape and width, bound inputs
         self.trace: list | None = None    # a list: each verified round of row 0 is appended (specrt.measurement.projection)
         self._traced = None               # (kind, the round's paths, their scores) until observe
 
@@ -121,7 +128,7 @@ class EagleDrafter:
         n = min(S, prompt.shape[1] - 1 - start)
         if n > 0:
             out = self.timer(self.engine, one, prompt[:, start + 1:start + 1 + n], (start + _arange(n, dev))[None],
-                             chain_mask(1, n, dev), 1, features=hidden[:, :n])
+                             chain_mask(1, n, dev), 1, **self._target_states(hidden[:, :n]))
             one.write(out.new_kv)
             one.past_len += n
 
@@ -149,14 +156,14 @@ class EagleDrafter:
         self.batch = run.batch
         out, path, n = run.last_pass
         if self._host_history is not None and isinstance(n, list) and out.host is not None:
-            feats = out.host_hidden()                                               # (B, S, d)
+            feats = out.host_aux() if self.aux else out.host_hidden()               # (B, S, d)
             width = feats.shape[1] if path is None else len(path[0])
             for b, start in enumerate(run.cache.host_past.tolist()):
                 fit = max(0, min(width, run.cache_len - start))
                 self._host_history[b, start:start + fit] = feats[b, :fit] if path is None else \
                     feats[b].take(path[b][:fit], 0)
         else:
-            feats = run.path_hidden                                                 # (B, D+1, d)
+            feats = self._path_aux(run) if self.aux else run.path_hidden            # (B, D+1, d)
             slots = (run.path_start[:, None] + _arange(feats.shape[1], run.device)).clamp(max=run.cache_len - 1)
             self.history.scatter_(1, slots[..., None].expand(-1, -1, feats.shape[-1]), feats.to(self.history.dtype))
         if self.lookup is not None:
@@ -201,21 +208,49 @@ class EagleDrafter:
         x = self.history.gather(1, slots[..., None].expand(-1, -1, self.history.shape[-1]))  # (B, S, d)
         ids = run.tokens.gather(1, (slots + 1).clamp(max=run.max_len - 1))          # (B, S) the token after
         last = count.clamp(min=1) - 1                                               # (B,) each row's last slot
-        out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, features=x)
+        out = self.timer(self.engine, cache, ids, slots, chain_mask(B, S, dev), num, **self._target_states(x))
         cache.write(out.new_kv)
         cache.past_len += count
         self._past[:B] = past + fed
         rows = _arange(B, dev)
         return out.logits[rows, last - (S - num)], out.hidden[rows, last].clone()
 
-    def _feed(self, B: int, S: int) -> tuple:
+    def _feed(self, B: int, S: int, width: int | None = None) -> tuple:
         """The host path's inputs for a pass of shape (B, S), made once and kept bound: ids and positions
-        (PassInputs) and the features (a tensor and its numpy view)."""
-        got = self._feeds.get((B, S))
+        (PassInputs) and the features (a tensor and its numpy view) of `width` (default: the history's)."""
+        width = width or self._history.shape[-1]
+        got = self._feeds.get((B, S, width))
         if got is None:
-            feats = torch.zeros(B, S, self._history.shape[-1], device=self._history.device)
-            got = self._feeds[(B, S)] = (PassInputs(B, S, feats.device), feats, feats.numpy())
+            feats = torch.zeros(B, S, width, device=self._history.device)
+            got = self._feeds[(B, S, width)] = (PassInputs(B, S, feats.device), feats, feats.numpy())
         return got
+
+    def _zero(self, B: int, S: int, width: int, device) -> torch.Tensor:
+        got = self._zeros.get((B, S, width))
+        if got is None:
+            got = self._zeros[(B, S, width)] = torch.zeros(B, S, width, device=device)
+        return got
+
+    def _target_states(self, x: torch.Tensor) -> dict:
+        """The drafter's inputs for the target's states x (B, S, ·) from the history: EAGLE's `features`, or
+        EAGLE-3's `aux` (its `features` zero)."""
+        if not self.aux:
+            return {"features": x}
+        B, S, _ = x.shape
+        return {"features": self._zero(B, S, self.engine.spec["hidden_size"], x.device), "aux": x}
+
+    def _own_states(self, x: torch.Tensor) -> dict:
+        """The drafter's inputs for its own features x (B, S, d) (a tree level): EAGLE-3's `aux` zero."""
+        B, S, _ = x.shape
+        return {"features": x, **({"aux": self._zero(B, S, self.aux, x.device)} if self.aux else {})}
+
+    def _path_aux(self, run) -> torch.Tensor:
+        """(B, D+1, n*d) the target's aux states along the last accepted path, root first (run.path_hidden's)."""
+        out, path, _ = run.last_pass
+        if path is None:
+            return out.aux
+        index = run._device(path)
+        return out.aux.gather(1, index[..., None].expand(-1, -1, out.aux.shape[-1]))
 
     def _catch_up_host(self, run) -> tuple[np.ndarray, np.ndarray]:
         """_catch_up on the CPU in numpy over the engine's buffers (see Generator._verify) -> the first level's
@@ -232,7 +267,8 @@ class EagleDrafter:
             self._host_history[b].take(slots, 0, out=host_feats[b])
         last = [max(c, 1) - 1 for c in count]                                       # each row's last slot
         num = S - min(last)
-        out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num, features=feats)
+        out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, num,
+                         **self._target_states(feats))
         cache.write(out.host_kv(), past)
         cache.truncate([p + c for p, c in zip(past, count)])
         self._past[:B] = cache.host_past
@@ -365,17 +401,17 @@ class EagleDrafter:
         `tokens` and `feats`: per level, (B, n) tokens and (B, n, d) features (numpy on the host path)."""
         B, S = len(tokens[0]), len(paths)
         if isinstance(feats[0], np.ndarray):
-            inputs, x, host_x = self._feed(B, S)
+            inputs, x, host_x = self._feed(B, S, feats[0].shape[-1])
             mask, depth = _expansion(paths, B, x.device, host=True)
             np.concatenate(tokens, 1, out=inputs.host[0])
             np.add(self.cache.host_past[:, None], depth, out=inputs.host[1])
             np.minimum(inputs.host[1], run.max_len - 1, out=inputs.host[1])
             np.concatenate(feats, 1, out=host_x)
-            return self.timer(self.engine, self.cache, inputs.ids, inputs.positions, mask, k, features=x)
+            return self.timer(self.engine, self.cache, inputs.ids, inputs.positions, mask, k, **self._own_states(x))
         mask, depth = _expansion(paths, B, feats[0].device)
         pos = (self.cache.past_len[:, None] + depth).clamp(max=run.max_len - 1)     # (B, S)
         return self.timer(self.engine, self.cache, torch.from_numpy(np.concatenate(tokens, 1)).to(pos.device), pos,
-                          mask, k, features=torch.cat(feats, 1))
+                          mask, k, **self._own_states(torch.cat(feats, 1)))
 
 
 DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
@@ -636,7 +672,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
     draft = gen.eagle
     draft_pass = draft.time_pass(max(0, min(64, draft.spec["max_seq_len"] - 8)), 8, reps=5,
-                                 features=torch.zeros(1, 8, draft.spec["hidden_size"], device=draft.device))
+                                 **pass_inputs(draft.spec, 1, 8, draft.device))
     saved, best = draft.spec.get("dynamic_tree"), (0.0, None)
     try:
         for shape in shapes:
@@ -653,6 +689,14 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     finally:
         draft.spec["dynamic_tree"] = saved
     return best[1]
+
+
+def pass_inputs(spec: dict, batch: int, S: int, device) -> dict:
+    """Zero feature inputs of a drafter pass of (batch, S) (timing): `features`, and EAGLE-3's `aux`."""
+    out = {"features": torch.zeros(batch, S, spec["hidden_size"], device=device)}
+    if spec.get("aux_size"):
+        out["aux"] = torch.zeros(batch, S, spec["aux_size"], device=device)
+    return out
 
 
 def save_shape(directory, shape: DynamicTree) -> None:

@@ -16,7 +16,7 @@ from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal
-from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures
+from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
 from specrt.decoding.sampling import probs
@@ -544,7 +544,7 @@ class Generator:
             saved = self.engine_time
             k, spec = 2 * shape.top_k, self.eagle.spec
             level = self.eagle.time_pass(min(64, spec["max_seq_len"] - k), k, batch=batch,
-                                         features=torch.zeros(batch, k, spec["hidden_size"], device=self.eagle.device))
+                                         **pass_inputs(spec, batch, k, self.eagle.device))
             self.engine_time = saved
             self._batch_costs[key] = Costs(level, verify)
         return self._batch_costs[key]

@@ -27,7 +27,8 @@ class StepOutput:
     logits: torch.Tensor   # (B, num_logits, V)
     hidden: torch.Tensor   # (B, S, d)
     new_kv: torch.Tensor   # (2L, B, Hkv, S, D)
-    host: tuple | None = None   # on the CPU: numpy views (logits, new_kv, hidden) of the same buffers, made once
+    host: tuple | None = None   # on the CPU: numpy views (logits, new_kv, hidden, aux) of the same buffers, made once
+    aux: torch.Tensor | None = None   # (B, S, n*d) a target graph's `aux` output (EAGLE-3), None where it has none
 
     def host_logits(self):
         """The logits as a numpy array (CPU outputs only): the loop's host rules read them without a torch call,
@@ -41,6 +42,10 @@ class StepOutput:
     def host_hidden(self):
         """hidden as a numpy array (CPU outputs only), see host_logits."""
         return self.host[2] if self.host is not None else self.hidden.numpy()
+
+    def host_aux(self):
+        """aux as a numpy array (CPU outputs only), see host_logits."""
+        return self.host[3] if self.host is not None else self.aux.numpy()
 
 
 def engine_dtype(spec: dict) -> torch.dtype:
@@ -243,9 +248,10 @@ class OrtEngine:
         ids[0, :] = input_ids[0, 0]
         pos[0, :] = position_ids[0, 0]
         out = self.forward(ids, pos, past_len, mask, 2, cache)
-        return StepOutput(out.logits[:, :num_logits], out.hidden[:, :1], out.new_kv[..., :1, :],
-                          None if out.host is None else (out.host[0][:, :num_logits], out.host[1][..., :1, :],
-                                                         out.host[2][:, :1]))
+        aux = None if out.aux is None else out.aux[:, :1]
+        host = None if out.host is None else (out.host[0][:, :num_logits], out.host[1][..., :1, :],
+                                              out.host[2][:, :1], None if aux is None else out.host[3][:, :1])
+        return StepOutput(out.logits[:, :num_logits], out.hidden[:, :1], out.new_kv[..., :1, :], host, aux)
 
     def _bind_shape(self, B: int, S: int, num_logits: int) -> "_Shape":
         """A binding of its own for a pass shape, its outputs bound to views of the output buffers: passes of
@@ -255,6 +261,8 @@ class OrtEngine:
         s = self.spec
         sizes = {"logits": B * num_logits * logits_width(s), "hidden": B * S * s["hidden_size"],
                  "new_kv": 2 * self.layers * B * s["kv_heads"] * S * s["head_dim"]}
+        if "aux" in s:   # a target that outputs the states an EAGLE-3 drafter reads
+            sizes["aux"] = B * S * s["aux"]["size"]
         if any(name not in self._buffers or self._buffers[name].numel() < n for name, n in sizes.items()):
             self._shapes.clear()   # their views would keep the old buffers alive
         if len(self._shapes) >= MAX_SHAPES:
@@ -268,9 +276,13 @@ class OrtEngine:
         bind_tensor(io, "output", "hidden", hidden, self.device)
         for i in range(2 * self.layers):
             bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i], self.device)
-        host = (logits.numpy(), new_kv.numpy(), hidden.numpy()) if self.device.type == "cpu" and \
-            self.dtype != torch.bfloat16 else None
-        shape = self._shapes[(B, S, num_logits)] = _Shape(io, StepOutput(logits, hidden, new_kv, host))
+        aux = None
+        if "aux" in sizes:
+            aux = self._buffer("aux", sizes["aux"]).narrow(0, 0, sizes["aux"]).view(B, S, -1)
+            bind_tensor(io, "output", "aux", aux, self.device)
+        host = (logits.numpy(), new_kv.numpy(), hidden.numpy(), None if aux is None else aux.numpy()) \
+            if self.device.type == "cpu" and self.dtype != torch.bfloat16 else None
+        shape = self._shapes[(B, S, num_logits)] = _Shape(io, StepOutput(logits, hidden, new_kv, host, aux))
         return shape
 
     def run_sequence(self, ids: list[int], num_logits: int = 1) -> StepOutput:

@@ -48,8 +48,10 @@ class WidthBuffers:
     pos: torch.Tensor        # (1, W) int64
     mask: torch.Tensor       # (1, W, W) bool
     eye: torch.Tensor        # (1, W, W) bool: every pad row sees only itself
-    out: StepOutput          # logits (1, W, V) float32, hidden (1, W, d) float32, new_kv (2L, 1, Hkv, W, D)
-    extra: dict              # further inputs by name (an EAGLE drafter's features (1, W, d) float32)
+    out: StepOutput          # logits (1, W, V) float32, hidden (1, W, d) float32, new_kv (2L, 1, Hkv, W, D),
+                             # a target's aux (1, W, n*d) float32 (EAGLE-3)
+    extra: dict              # further inputs by name (an EAGLE drafter's features (1, W, d), EAGLE-3's aux
+                             # (1, W, n*d), float32)
     rows: int = 0            # the mask rows the last pass wrote (past them the mask is the identity)
 
 
@@ -148,9 +150,11 @@ class StaticWidthEngine:
         eye = torch.eye(W, dtype=torch.bool, device=dev)[None]
         out = StepOutput(torch.zeros(1, W, logits_width(s), device=dev),
                          torch.zeros(1, W, s["hidden_size"], device=dev),
-                         torch.zeros(2 * s["layers"], 1, s["kv_heads"], W, s["head_dim"], device=dev, dtype=self.dtype))
+                         torch.zeros(2 * s["layers"], 1, s["kv_heads"], W, s["head_dim"], device=dev, dtype=self.dtype),
+                         aux=torch.zeros(1, W, s["aux"]["size"], device=dev) if "aux" in s else None)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        extra = {"features": torch.zeros(1, W, s["hidden_size"], device=dev)} if self._reads("features") else {}
+        widths = {"features": s["hidden_size"], "aux": s.get("aux_size")}   # an EAGLE(-3) drafter's inputs
+        extra = {name: torch.zeros(1, W, n, device=dev) for name, n in widths.items() if self._reads(name)}
         return WidthBuffers(zeros(1, W), zeros(1, W), eye.clone(), eye, out, extra)
 
     def _reads(self, name: str) -> bool:
@@ -166,7 +170,8 @@ class StaticWidthEngine:
         for name, t in feeds.items():
             if name in names:   # an input the graph does not read is pruned from it
                 bind_tensor(b, "input", name, t, self.device)
-        outs = {"logits": buf.out.logits, "hidden": buf.out.hidden}
+        outs = {"logits": buf.out.logits, "hidden": buf.out.hidden,
+                **({"aux": buf.out.aux} if buf.out.aux is not None else {})}
         outs.update({f"{'kv'[i % 2]}_new_{i // 2}": buf.out.new_kv[i] for i in range(2 * L)})
         for name, t in outs.items():
             bind_tensor(b, "output", name, t, self.device)
@@ -202,7 +207,8 @@ class StaticWidthEngine:
             self._fall_back(W, f"its pass failed ({type(e).__name__}: {e})")
             return self.forward(input_ids, position_ids, past_len, tree_mask, num_logits, cache, **extra)
         o = buf.out
-        return StepOutput(o.logits[:, S - num_logits:S], o.hidden[:, :S], o.new_kv[:, :, :, :S])
+        return StepOutput(o.logits[:, S - num_logits:S], o.hidden[:, :S], o.new_kv[:, :, :, :S],
+                          aux=None if o.aux is None else o.aux[:, :S])
 
     def _on_stream(self):
         """On a GPU: the engine's stream, after the work queued on torch's (an event, no host wait)."""

@@ -144,13 +144,16 @@ class TensorRTEngine:
         new_kv = self._static("new_kv", torch.Size((2 * self.layers, B, s["kv_heads"], S, s["head_dim"])))
         outputs = {"logits": logits, "hidden": hidden,
                    **{_kv_name("new", i): new_kv[i] for i in range(2 * self.layers)}}
+        aux = self._static("aux", torch.Size((B, S, s["aux"]["size"]))) if "aux" in s else None   # EAGLE-3's
+        if aux is not None:
+            outputs["aux"] = aux
         for name, t in outputs.items():
             got = tuple(self.context.get_tensor_shape(name))
             if got != tuple(t.shape):
                 raise BackendError(f"TensorRT plans {name} as {got}, the engine contract says {tuple(t.shape)}: "
                                    "re-export and rebuild the engine set")
             self._set(name, t)
-        self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv), (B, S, num_logits)
+        self._outputs, self._outputs_for = StepOutput(logits, hidden, new_kv, aux=aux), (B, S, num_logits)
 
     # ---- helpers shared with OrtEngine's interface ------------------------------------------------------
     def run_sequence(self, ids: list[int], num_logits: int = 1):

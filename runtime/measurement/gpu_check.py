@@ -283,8 +283,9 @@ def eagle_projection(gen, methods: dict, passes: dict, context: int, reps: int, 
     out = {"trace": "the shipped SmolLM2-135M EAGLE drafter's, recorded on the CPU", "host_ms_per_round": host}
     traces = {t: projection.load(projection.shipped_trace(t)) for t in (0.0, 0.7)}
     spec, width = gen.eagle.spec, 2 * traces[0.0]["shape"][0]   # a tree level: the frontier and its parents
+    from specrt.decoding.eagle import pass_inputs
     draft = gen.eagle.time_pass(min(context, spec["max_seq_len"] - width), width, reps,
-                                features=torch.zeros(1, width, spec["hidden_size"], device=gen.eagle.device))
+                                **pass_inputs(spec, 1, width, gen.eagle.device))
     costs = Costs(draft, {int(k): ms / 1e3 for k, ms in passes["ms"].items()})
     for t, trace in traces.items():
         args = (trace, costs, draft, host["eagle"] / 1e3, host["autoregressive"] / 1e3)
