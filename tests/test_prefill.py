@@ -183,7 +183,7 @@ def test_the_server_streams_on_while_a_long_prompt_is_prefilled(with_drafters):
     gen.prefill_chunk = 2
     events, lock = queue.Queue(), threading.Lock()
     options = dict(method="autoregressive", temperature=0.0, top_k=0, top_p=1.0, seed=None, gamma=None, tree=False,
-                   adaptive=True)
+                   adaptive=True, acceptance="exact")
     scheduler = Scheduler(gen, 2)
     try:
         def job(name, ids, n):
