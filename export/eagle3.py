@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specrt.errors import DrafterMismatchError, InputError
+from specrt.errors import CheckpointError, DrafterMismatchError, InputError
 from specrt.export.model import MLP, Attention, ModelArgs, RMSNorm, SpecModel, rope
 
 CONFIG = "config.json"
@@ -173,10 +173,10 @@ def read_weights(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:   # not plain tensors: weights_only refuses code
-        raise InputError(f"--eagle {path}: not a plain state dict of tensors ({type(e).__name__}: {e}); "
-                         "convert it to safetensors") from e
+        raise CheckpointError(f"--eagle {path}: not a plain state dict of tensors ({type(e).__name__}: {e}); "
+                              "convert it to safetensors") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InputError(f"--eagle {path}: expected a dict of tensors")
+        raise CheckpointError(f"--eagle {path}: expected a dict of tensors")
     return state
 
 
@@ -319,8 +319,8 @@ def load_eagle3(directory: str | Path, target: SpecModel, layer_ids: str | None 
     missing = sorted(k for k in model.trained_state() if k not in trained)
     unknown = sorted(k for k in state if not k.startswith(TRAINED) and k not in ("d2t", "t2d"))
     if missing or unknown:
-        raise InputError(f"{where}: the weights do not have the EAGLE-3 layout (missing {missing[:4]}, "
-                         f"unknown {unknown[:4]})")
+        raise CheckpointError(f"{where}: the weights do not have the EAGLE-3 layout (missing {missing[:4]}, "
+                              f"unknown {unknown[:4]})")
     try:
         model.load_state_dict(trained, strict=False)
     except RuntimeError as e:
@@ -373,6 +373,20 @@ def save_eagle3(model: Eagle3Model, directory: str | Path, dtype=torch.float16, 
               "hidden_act": "silu", "max_position_embeddings": model.args.max_seq_len,
               OWN_IDS: list(c.aux_layers), **getattr(model, "rope_config", {})}
     (directory / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def proposer(drafter: Eagle3Model):
+    """For specrt.export.acceptance: slot t reads fc(the target's aux states at t) and token t + 1; its top draft
+    id, mapped to a target id, guesses token t + 2. The target's forward returns its aux states last."""
+    def propose(tokens, outputs):
+        S, a = tokens.shape[1] - 1, drafter.args
+        caches = [torch.zeros(1, a.num_kv_heads, 1, a.head_dim) for _ in range(2)]
+        logits, *_ = drafter(tokens[:, 1:], torch.arange(S)[None], torch.zeros(1, dtype=torch.int64),
+                             torch.ones(S, S, dtype=torch.bool).tril()[None], torch.tensor([S]),
+                             torch.zeros(1, S, a.hidden_size), outputs[-1][:, :S], *caches)
+        ids = logits[0].argmax(-1)                                                      # (S,) draft ids
+        return ids if drafter.draft_ids is None else drafter.draft_ids[ids]
+    return propose
 
 
 def export_eagle3(model: Eagle3Model, path: Path, dtype: str = "float32") -> None:

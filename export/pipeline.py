@@ -11,7 +11,7 @@ from specrt.export import acceptance, memory
 from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
 from specrt.export.acceptance import eagle_proposer, medusa_proposer
 from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
-from specrt.export.eagle3 import is_eagle3, load_eagle3
+from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_proposer
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
@@ -143,6 +143,9 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models[role]["aux"] = {"layers": list(eagle3.aux_layers),
                                        "size": len(eagle3.aux_layers) * model.args.hidden_size}
                 _export_eagle3(eagle3, str(eagle), tmp, src.eos_token_ids, dtype, models, log)
+                models["eagle"]["acceptance"] = check_acceptance(
+                    model, eagle3_proposer(eagle3), prompts, src, f"the EAGLE-3 drafter {eagle}",
+                    "a missing or wrong d2t, or layer ids read in the other convention: --eagle-layer-ids", log)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks

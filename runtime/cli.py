@@ -563,7 +563,8 @@ def _default(text: str) -> str:
     return f" Default: {text}."
 
 
-@main.command(help=_train_help(), short_help="Train a draft model, Medusa heads or an EAGLE drafter for a target.")
+@main.command(help=_train_help(),
+              short_help="Train a draft model, Medusa heads or an EAGLE or EAGLE-3 drafter for a target.")
 @click.argument("kind", type=click.Choice(list(KINDS)))
 @click.option("--target", required=True,
               help="The model to draft for, any source `specrt export` takes: 'smollm2-135m' or a local Hugging Face "

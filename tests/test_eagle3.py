@@ -156,6 +156,7 @@ def test_target_outputs_the_inputs_of_the_drafters_layers(published):
     name, gen, model, _ = published
     layers = LAYOUTS[name][5]
     assert gen.manifest["models"]["target"]["aux"] == {"layers": list(layers), "size": 3 * 32}
+    assert gen.manifest["models"]["eagle"]["acceptance"]["positions"] > 0   # measured after import
     ids = [3, 9, 1, 40, 22, 7, 5]
     out = gen.target.run_sequence(ids, num_logits=len(ids))
     assert torch.allclose(out.aux[0], target_aux(model, ids, layers), atol=1e-4)
@@ -424,7 +425,7 @@ def test_train_eagle3_end_to_end(tmp_path):
     from specrt.export.train.train_eagle3 import train_eagle3
     model = tiny_model("qwen2", seed=2, vocab=V, layers=LAYERS, init=0.3)
     model.save_pretrained(tmp_path / "src")
-    opts = dict(prompts=12, max_new_tokens=16, draft_vocab=48, batch_tokens=256, save_every=10, max_len=MAX_LEN,
+    opts = dict(prompts=12, max_new_tokens=16, kept_vocab=48, batch_tokens=256, save_every=10, max_len=MAX_LEN,
                 lr=3e-3)
     lines = []
     out = train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=lines.append, **opts)
@@ -474,3 +475,53 @@ def test_aux_stays_float32_in_float16_cuda_graphs(authors, tmp_path):
         g = onnx.load(str(cuda / f), load_external_data=False).graph
         types = {i.name: i.type.tensor_type.elem_type for i in getattr(g, kind)}
         assert types["aux"] == TensorProto.FLOAT, f
+
+
+def test_specrt_train_eagle3(tmp_path):
+    """`specrt train eagle3 --target` a tiny Qwen2 checkpoint with its tokenizer: data, a few steps on the CPU, the
+    model card; then export, build and the target's greedy output."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    from test_train import DATA, tiny_tokenizer, train
+    tok = tiny_tokenizer(384)
+    model = tiny_model("qwen2", seed=4, vocab=len(tok), layers=LAYERS, init=0.3,
+                       eos=tok.convert_tokens_to_ids("<|im_end|>"))
+    model.save_pretrained(tmp_path / "qwen2")
+    tok.save_pretrained(tmp_path / "qwen2")
+    train("eagle3", "--target", tmp_path / "qwen2", "--out", tmp_path / "e3", "--steps", 2, "--batch-tokens", 512,
+          "--save-every", 1, "--kept-vocab", 300, "--layers", "1,3,6", *DATA)
+    record = json.loads((tmp_path / "e3" / "training.json").read_text())
+    assert (record["steps_done"], record["sessions"]) == (2, [[0, 2]])
+    assert "eagle3 drafter" in (tmp_path / "e3" / "README.md").read_text()
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["specrt_aux_layer_inputs"] == [1, 3, 6] and config["draft_vocab_size"] == 300
+    out = export_engines(str(tmp_path / "qwen2"), tmp_path / "engines", eagle=str(tmp_path / "e3"), max_seq_len=64,
+                         log=lambda *_: None)
+    build(out, "onnxruntime", log=lambda *_: None)
+    gen = Generator.from_engines(out)
+    assert gen.manifest["models"]["target"]["aux"]["layers"] == [1, 3, 6]
+    prompt = [5, 17, 90, 200, 3]
+    plain = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive").token_ids[0]
+    assert_same_or_tie(gen.generate(prompt_ids=prompt, max_new_tokens=24, method="eagle", adaptive=False)
+                       .token_ids[0], plain, prompt, model)
+
+
+def test_acceptance_check_reads_target_ids(published):
+    """The acceptance measured after import guesses with target ids (draft id + d2t), as the runtime proposes."""
+    from specrt.export.acceptance import whole_pass
+    from specrt.export.eagle3 import load_eagle3, proposer
+    from specrt.export.model import from_hf
+    name, _, model, ckpt = published
+    _, prefix, weights, _, layer_ids, layers = LAYOUTS[name]
+    target = from_hf(model, MAX_LEN)
+    drafter = load_eagle3(ckpt, target, layer_ids)
+    target.aux_layers = drafter.aux_layers
+    tokens = torch.tensor([[3, 9, 1, 40, 22, 7, 5, 12]])
+    with torch.no_grad():
+        guesses = proposer(drafter)(tokens, whole_pass(target, tokens))
+    w, _, forward = reference_drafter(ckpt, prefix, weights)
+    embed = w["embed_tokens.weight"] if "embed_tokens.weight" in w else model.model.embed_tokens.weight.detach()
+    with torch.no_grad():
+        logits, _ = forward(target_aux(model, tokens[0].tolist(), layers)[:-1] @ w["fc.weight"].T, tokens[0, 1:], embed)
+    ids = logits.argmax(-1)
+    assert guesses.tolist() == (ids + w["d2t"][ids]).tolist()

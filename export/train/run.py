@@ -91,6 +91,11 @@ KINDS = {
     "eagle": Kind("an EAGLE drafter: one decoder layer of the target's shape over its features "
                   "(eagle_config.json, eagle.safetensors, specrt_vocab.json where ids are kept)", "--eagle",
                   "train_eagle", "EagleTrainConfig", dict(vocab=""), lambda t: {"kept_vocab": kept_ids(t)}),
+    "eagle3": Kind("an EAGLE-3 drafter: one decoder layer over [embedding; fc(the hidden states entering three target "
+                   "layers)] with its own LM head over a reduced draft vocabulary (config.json, model.safetensors: "
+                   "the published layout)", "--eagle", "train_eagle3", "Eagle3TrainConfig",
+                   dict(steps=1000, batch_tokens=4096, lr=3e-4, warmup=30, save_every=50),
+                   lambda t: {"kept_vocab": kept_ids(t)}),
 }
 
 # The settings `specrt train` gives every trainer (those its dataclass has).

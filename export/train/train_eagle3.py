@@ -4,7 +4,7 @@ Data: token rows {ids, prompt_len} (JSON lines, e.g. `specrt.export.train.data`'
 the target's own greedy answers to the seed tasks (through its chat template; a target without a tokenizer answers
 seeded random-token prompts), written to --work/data.jsonl. Features: the target's hidden states entering the
 drafter's layers (its aux states) and its top-16 logits at every position, from its transformers model, cached in
---work (`features.pt`). Draft vocabulary: the --draft-vocab ids the target writes most often in the data (all of
+--work (`features.pt`). Draft vocabulary: the --kept-vocab ids the target writes most often in the data (all of
 them when the target's vocabulary is smaller); the LM head starts from the target's rows of those ids and the final
 norm from the target's.
 
@@ -43,8 +43,8 @@ class Eagle3TrainConfig:
     data: str = ""               # JSON lines of {ids, prompt_len}; "": the target answers the seed tasks
     prompts: int = 175           # prompts answered when there is no --data
     max_new_tokens: int = 96
-    layers: str = ""             # the target layers read (inputs), comma-separated; "": 2, L // 2, L − 3
-    draft_vocab: int = 32000
+    layers: tuple = ()           # the target layers read (their inputs); (): 2, L // 2, L − 3
+    kept_vocab: int = 32000      # the draft vocabulary's size (0: the target's whole vocabulary)
     steps: int = 1000
     batch_tokens: int = 4096
     lr: float = 3e-4
@@ -57,7 +57,8 @@ class Eagle3TrainConfig:
     device: str = "cpu"
 
 
-RESUME_KEYS = ("target", "layers", "draft_vocab", "steps", "batch_tokens", "lr", "warmup", "unroll", "seed")
+RESUME_KEYS = ("target", "layers", "kept_vocab", "batch_tokens", "lr", "warmup", "unroll", "seed")   # a larger
+# --steps trains on
 
 
 def target_rows(cfg: Eagle3TrainConfig, src) -> list[dict]:
@@ -206,11 +207,11 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     src = load_source(cfg.target)
     L = src.model.config.num_hidden_layers
-    layers = tuple(int(i) for i in cfg.layers.split(",")) if cfg.layers else default_layers(L)
+    layers = tuple(cfg.layers) or default_layers(L)
     rows = target_rows(cfg, src)
     feats = features(cfg, src, rows, layers)
     V = src.model.config.vocab_size
-    kept = draft_ids(rows, V, cfg.draft_vocab)
+    kept = draft_ids(rows, V, cfg.kept_vocab or V)
     rope = {k: v for k in ("rope_theta", "rope_scaling", "rope_parameters")
             if (v := getattr(src.model.config, k, None)) is not None}
     target = from_hf(src.model.cpu().float(), cfg.max_len)
@@ -230,7 +231,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
     val = [i for i in range(len(rows)) if i % 16 == 15][:32] or [len(rows) - 1]   # held out
     train_ids = [i for i in range(len(rows)) if i not in set(val)] or val
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0}
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": [], "wall_s": 0.0, "sessions": [], "train_loss": None}
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False, map_location=cfg.device)
@@ -241,8 +242,9 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
         model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
-        state = saved["state"]
+        state = {"sessions": [], "train_loss": None, **saved["state"]}
         log(f"resumed at step {state['step']}")
+    first = state["step"]
 
     def save():
         torch.save({"config": asdict(cfg), "model": model.trained_state(), "opt": opt.state_dict(),
@@ -265,7 +267,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
         sched.step()
         state["step"] += 1
         state["batch"] += 1
-        state["wall_s"] = time.time() - started
+        state["wall_s"], state["train_loss"] = time.time() - started, loss.item()
         if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
             with torch.no_grad(), autocast:
                 held = [step_loss(model, collate([i], rows, feats, remap, cfg.device), cfg.unroll)[1] for i in val]
@@ -273,6 +275,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
             state["history"].append({"step": state["step"], "train_loss": loss.item(), **m})
             log(f"step {state['step']}/{cfg.steps}: loss {loss.item():.3f}, held-out {m}")
             save()
+    state["sessions"].append([first, state["step"]])
     save()
     if state["step"] < cfg.steps:
         log(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
@@ -283,7 +286,8 @@ def _write(cfg: Eagle3TrainConfig, model: Eagle3Model, state: dict, rows, layers
     out = Path(cfg.out)
     save_eagle3(model, out)
     record = {"config": asdict(cfg), "history": state["history"], "wall_s": state["wall_s"],
-              "steps_done": state["step"], "rows": len(rows), "train_rows": n_train, "val_rows": n_val}
+              "steps_done": state["step"], "steps": cfg.steps, "sessions": state["sessions"],
+              "train_loss": state["train_loss"], "rows": len(rows), "train_rows": n_train, "val_rows": n_val}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     last = state["history"][-1] if state["history"] else {}
     held = ", ".join(f"{k} {v:.3f}" for k, v in last.items() if k.endswith("agreement"))
@@ -306,7 +310,8 @@ def _write(cfg: Eagle3TrainConfig, model: Eagle3Model, state: dict, rows, layers
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in asdict(Eagle3TrainConfig()).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+        kind = (lambda s: tuple(int(i) for i in s.split(","))) if isinstance(default, tuple) else type(default)
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     train(Eagle3TrainConfig(**vars(ap.parse_args(argv))))
 
 
