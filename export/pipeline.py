@@ -93,7 +93,8 @@ def _export_eagle3(drafter, source: str, tmp: Path, eos: list[int], dtype: str, 
 def export_engines(target: str, out: str | os.PathLike, draft: str | None = None,
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
                    medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
-                   memory_limit: float | None = None, eagle_layer_ids: str | None = None) -> Path:
+                   memory_limit: float | None = None, eagle_layer_ids: str | None = None,
+                   check_drafters: bool = True) -> Path:
     """Trace the models to the ONNX graphs of an engine directory `out`, their weights in `dtype` ("float32",
     "float16" or "bfloat16": checkpoints are read in it, so that a model takes its size in that dtype in memory, once;
     CUDA engines run it as it is, CPU engines are built from it as float32 or quantized). An export that would not
@@ -101,6 +102,9 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
     An EAGLE-3 checkpoint as `eagle` (see specrt.export.eagle3; `eagle_layer_ids` "inputs" or "outputs" says how to
     read the layer ids its config names) gives the target graph the `aux` output it reads."""
     out = Path(out)
+    # check_drafters False (`--no-acceptance-check`): each imported drafter's acceptance is not measured (about 16
+    # target passes per prompt), and the manifest says so
+    checked = check_acceptance if check_drafters else lambda *_, **__: {"skipped": "--no-acceptance-check"}
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if max_seq_len < 2:
@@ -143,7 +147,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models[role]["aux"] = {"layers": list(eagle3.aux_layers),
                                        "size": len(eagle3.aux_layers) * model.args.hidden_size}
                 _export_eagle3(eagle3, str(eagle), tmp, src.eos_token_ids, dtype, models, log)
-                models["eagle"]["acceptance"] = check_acceptance(
+                models["eagle"]["acceptance"] = checked(
                     model, eagle3_proposer(eagle3), prompts, src, f"the EAGLE-3 drafter {eagle}",
                     "a missing or wrong d2t, or layer ids read in the other convention: --eagle-layer-ids", log)
             if src.vocab_subset:
@@ -160,7 +164,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     "root_token": heads.root_token, "sequential": heads.sequential,
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx"),
-                                    "acceptance": check_acceptance(model, medusa_proposer(heads), prompts, src,
+                                    "acceptance": checked(model, medusa_proposer(heads), prompts, src,
                                                                    f"the Medusa heads {medusa}",
                                                                    "heads or layers read in the wrong order", log)}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
@@ -172,7 +176,7 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 export_eagle(drafter, tmp / "eagle.onnx", dtype)
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
                 models["eagle"]["layout"] = eagle_layout(eagle)
-                models["eagle"]["acceptance"] = check_acceptance(model, eagle_proposer(drafter), prompts, src,
+                models["eagle"]["acceptance"] = checked(model, eagle_proposer(drafter), prompts, src,
                                                                  f"the EAGLE drafter {eagle}",
                                                                  "fc's halves in the wrong order", log)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)

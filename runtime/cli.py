@@ -67,16 +67,20 @@ def main():
               help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
                    "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "
                    "are built from them as float32 or int4/int8.")
+@click.option("--no-acceptance-check", is_flag=True,
+              help="Do not measure each --eagle/--medusa drafter's acceptance after export (the target continues 4 "
+                   "short prompts: about 16 target passes each, minutes for a large target on a CPU).")
 @click.option("--no-memory-check", is_flag=True,
               help="Export even where the estimate says the machine's available memory is too small.")
-def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check):
+def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check,
+           no_acceptance_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
                        eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None,
-                       eagle_layer_ids=eagle_layer_ids)
+                       eagle_layer_ids=eagle_layer_ids, check_drafters=not no_acceptance_check)
     except SpecrtError as e:
         _fail(e)
 

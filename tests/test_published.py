@@ -385,3 +385,18 @@ def test_medusa_heads_that_do_not_fit_are_refused(tmp_path):
     del w["1.0.linear.bias"]
     with pytest.raises(CheckpointError, match=r"missing \['1.0.linear.bias'\]"):
         load_heads(write_medusa(tmp_path / "missing", w, 2, 1), target)
+
+
+def test_no_acceptance_check_records_that_it_was_skipped(tmp_path):
+    """`--no-acceptance-check`: the drafter is exported unmeasured, and the manifest says so (no rate made up)."""
+    from specrt.export.pipeline import export_engines
+    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    w = medusa_weights(model.config.hidden_size, 2, 1, V, seed=4)
+    src = write_medusa(tmp_path / "heads", w, 2, 1, False)
+    model.save_pretrained(tmp_path / "t")
+    logged = []
+    export_engines(str(tmp_path / "t"), tmp_path / "e", max_seq_len=MAX_LEN, log=logged.append, medusa=str(src),
+                   check_drafters=False)
+    entry = json.loads((tmp_path / "e" / "manifest.json").read_text())["models"]["medusa"]
+    assert entry["acceptance"] == {"skipped": "--no-acceptance-check"}
+    assert not any("first draft tokens accepted" in line for line in logged)
