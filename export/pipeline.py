@@ -165,8 +165,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                                     "hidden_size": model.args.hidden_size, "vocab_size": model.args.vocab_size,
                                     "dtype": dtype, "graph": file_entry(tmp, "medusa.onnx"),
                                     "acceptance": checked(model, medusa_proposer(heads), prompts, src,
-                                                                   f"the Medusa heads {medusa}",
-                                                                   "heads or layers read in the wrong order", log)}
+                                                          f"the Medusa heads {medusa}",
+                                                          "heads or layers read in the wrong order", log)}
                 if tree is not None:   # the heads' own tree; `specrt tune-tree` replaces it for this machine
                     tree.save(tmp / "tree_medusa.json")
                     trees["medusa"] = file_entry(tmp, "tree_medusa.json")
@@ -177,8 +177,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models["eagle"] = model_entry(drafter, str(eagle), "eagle.onnx", tmp, src.eos_token_ids, dtype)
                 models["eagle"]["layout"] = eagle_layout(eagle)
                 models["eagle"]["acceptance"] = checked(model, eagle_proposer(drafter), prompts, src,
-                                                                 f"the EAGLE drafter {eagle}",
-                                                                 "fc's halves in the wrong order", log)
+                                                        f"the EAGLE drafter {eagle}",
+                                                        "fc's halves in the wrong order", log)
                 if drafter.vocab_index is not None:   # its logits are over these ids (see specrt.export.eagle)
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")
