@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from specrt.export.eagle3 import TRAINED, Eagle3Model, default_layers, new_eagle3, save_eagle3
+from specrt.export.train.train_eagle import batches
 
 TOP_K = 16   # the target's logits kept per position (soft labels)
 
@@ -172,19 +173,6 @@ def step_loss(model: Eagle3Model, batch, unroll: int) -> tuple[torch.Tensor, dic
         loss = loss + 0.8 ** k * loss_k
         stats[f"own{k}_agreement"] = agree_k
     return loss, stats
-
-
-def batches(items: list[int], rows, batch_tokens: int, rng: random.Random) -> list[list[int]]:
-    order = sorted(items, key=lambda i: (len(rows[i]["ids"]), rng.random()))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(rows[i]["ids"]) > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    out += [cur] if cur else []
-    rng.shuffle(out)
-    return out
 
 
 def train_eagle3(target: str, out: str | Path, data: str = "", steps: int = 1000, device: str = "cpu",
