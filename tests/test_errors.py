@@ -105,6 +105,25 @@ def test_interrupted_export_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
 
 
+def test_an_interrupt_swallowed_mid_export_still_stops_it(tmp_path):
+    """A KeyboardInterrupt raised inside a destructor is printed and dropped by Python; the staging directory
+    still sees the Ctrl-C, removes itself and does not move into place."""
+    from specrt.export.onnx_export import StagingDir
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with StagingDir(tmp_path / "e", force=False) as tmp:
+                (tmp / "manifest.json").write_text("{}")
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass  # what happens to it in a __del__
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_existing_out_needs_force(tiny_engines):
     with pytest.raises(InputError, match="--force"):
         export_engines("smollm2-135m", tiny_engines["llama"][0])
