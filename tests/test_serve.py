@@ -173,6 +173,70 @@ def test_requests_of_other_methods_wait_their_turn(tiny):
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
 
 
+def scrape(url: str) -> dict:
+    """GET /metrics, parsed: {(sample name, ((label, value), ...)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), r.headers["Content-Type"]
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_the_answers_say(tiny):
+    """/metrics after Medusa requests (streamed, not streamed, n = 2 sampled): the speculative-decoding counters and
+    the token counts grew by the sums of the answers' own figures, each sequence is in the latency histograms and
+    its finish reason counted; the gauges come back to 0. Several servers in one process count apart."""
+    from specrt.serving.metrics import Metrics
+    gen, url, *_ = tiny
+    api = client(url)
+    medusa = {"specrt": {"method": "medusa"}}
+    before = scrape(url)
+
+    def run(prompt):
+        stream = api.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                        extra_body=medusa)
+        return [s for s in (getattr(chunk, "specrt", None) for chunk in stream) if s][0]
+
+    prompts = [[1, 2, 3], [4, 5], [9, 8, 7, 6]]
+    with ThreadPoolExecutor(3) as pool:
+        stats = list(pool.map(run, prompts))
+    stats.append(api.completions.create(model="tiny", prompt=[7, 7], max_tokens=9, temperature=0,
+                                        extra_body=medusa).specrt)
+    out = api.completions.create(model="tiny", prompt=[3, 1], max_tokens=7, n=2, temperature=0.9, extra_body=medusa)
+    stats += out.specrt["choices"]
+    prompt_tokens = sum(map(len, prompts)) + 2 + 2
+    deadline = time.monotonic() + 10
+    while (after := scrape(url))[("specrt:num_requests_running", (("model_name", "tiny"),))] != 0:
+        assert time.monotonic() < deadline, "the running gauge never came back to 0"
+        time.sleep(0.1)
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted({"model_name": "tiny", "method": "medusa", **labels}.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("specrt:spec_decode_num_drafts_total") == sum(s["drafts"] for s in stats) > 0
+    assert grew("specrt:spec_decode_num_draft_tokens_total") == sum(s["draft_tokens"] for s in stats) > 0
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    assert grew("specrt:spec_decode_num_accepted_tokens_total") == accepted
+    depth = max(len(s["accepted_per_position"]) for s in stats)
+    per_pos = [sum(s["accepted_per_position"][i] for s in stats if i < len(s["accepted_per_position"]))
+               for i in range(depth)]
+    assert [grew("specrt:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(depth)] \
+        == per_pos and sum(per_pos) == accepted
+    assert grew("specrt:generation_tokens_total") == sum(s["tokens"] for s in stats) == 3 * 20 + 9 + 2 * 7
+    assert grew("specrt:prompt_tokens_total") == prompt_tokens
+    assert grew("specrt:request_success_total", finished_reason="length") == len(stats)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert grew(f"specrt:{name}_count") == len(stats), name
+    assert grew("specrt:request_queue_time_seconds_count") == 5                 # requests, not sequences
+    assert grew("specrt:inter_token_latency_seconds_count") > 0
+    assert after[("specrt:num_requests_waiting", (("model_name", "tiny"),))] == 0
+    one, two = Metrics("a", lambda: 0), Metrics("b", lambda: 0)                 # a registry each: no collision
+    one.finish("draft", "stop")
+    assert b'finished_reason="stop"' in one.exposition() and b'finished_reason="stop"' not in two.exposition()
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024

@@ -301,7 +301,8 @@ class Batch:
         return {"method": self.method, "method_from": self.method_from, **self.acceptance(), "tokens": tokens,
                 "rounds": row.rounds, "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
-                "stop_reason": row.stop_reason}
+                "stop_reason": row.stop_reason, "drafts": row.drafts, "draft_tokens": row.proposed,
+                "accepted_tokens": row.accepted, "accepted_per_position": list(row.accepted_per_position)}
 
     def batch_rounds(self) -> dict:
         """Rounds by live rows since the batch began, and how many of them speculated."""

@@ -31,7 +31,7 @@ from typing import Annotated, Literal
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 import torch
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 from specrt.errors import InputError, SpecrtError
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
 from specrt.decoding.sampling import ACCEPTANCE
+from specrt.serving.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("specrt.serving.server")
 
@@ -216,8 +217,9 @@ class Scheduler:
     runs one prefill chunk of the oldest joining job and one round of the live rows in turn, hands each job its
     new tokens and retires finished rows."""
 
-    def __init__(self, gen: Generator, capacity: int, measure: bool = False):
+    def __init__(self, gen: Generator, capacity: int, measure: bool = False, metrics: Metrics | None = None):
         self.gen, self.capacity, self.measure = gen, capacity, measure
+        self.metrics = metrics or Metrics("", lambda: len(self.waiting))
         self.waiting: collections.deque[Job] = collections.deque()
         self.ready = threading.Condition()
         self.batch: Batch | None = None
@@ -267,6 +269,7 @@ class Scheduler:
             for n in sizes:
                 self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
+            self.metrics.running.set(self.taken)
             with self.ready:
                 while self.deadline is None and not self.waiting and not self.taken:
                     self.ready.wait()
@@ -314,6 +317,7 @@ class Scheduler:
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                             copies=job.copies)
+            self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
 
@@ -344,7 +348,11 @@ class Scheduler:
             job, index = row.owner
             ids = run.new_tokens(b)
             if ids:
-                job.latency[index].handed(now, len(ids))
+                latency = job.latency[index]
+                first = latency.first is None
+                self.metrics.handed(batch.method, len(ids), now - job.arrived if first else None,
+                                    None if first else now - latency.last)
+                latency.handed(now, len(ids))
                 job.put(("tokens", index, ids, job.texts[index].feed(ids)))
         batch.cancel(lambda owner: owner[0].gone.is_set())
         for row, tokens in batch.retire():
@@ -354,6 +362,7 @@ class Scheduler:
                          "string)", len(tokens))
             stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
                      **job.latency[index].stats(job.arrived)}
+            self.metrics.ended(batch.method, stats, time.perf_counter() - job.arrived)
             job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
@@ -378,7 +387,8 @@ class Server:
         # the most characters a prompt that fits can have: every token covers at most the longest token's
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive")
+        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting))
+        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics)
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
@@ -478,23 +488,34 @@ class Server:
         finally:
             job.gone.set()
 
+    def method_run(self, options: dict) -> str:
+        """The method a request runs (`auto` resolved as its batch resolves it)."""
+        return self.gen.method_for(options["method"], greedy=options["temperature"] == 0)[0]
+
     async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
-        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None)."""
-        text, events = StopText(stops), self.events(ids, options, 1)
+        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None). Its
+        finish reason is counted (abort: left before its end)."""
+        text, events, end = StopText(stops), self.events(ids, options, 1), "abort"
         try:
             async for kind, _, *rest in events:
                 if kind == "tokens":
                     new_ids, new = rest
                     new, stopped = text.feed(new or "")
+                    end = "stop" if stopped else end
                     yield new, new_ids, "stop" if stopped else None, None
                     if stopped:
                         return
                 else:
                     reason, tail, stats = rest
                     new, stopped = text.feed(tail or "")
-                    yield (new if stopped else new + text.flush()), [], "stop" if stopped else _finish(reason), stats
+                    end = "stop" if stopped else _finish(reason)
+                    yield (new if stopped else new + text.flush()), [], end, stats
                     return
+        except Exception:
+            end = "error"
+            raise
         finally:
+            self.metrics.finish(self.method_run(options), end)
             await events.aclose()
 
     async def answer(self, req: _Request, ids: list[int], options: dict, chat: bool):
@@ -515,6 +536,7 @@ class Server:
                 text = StopText(stops)
                 cut, stopped = text.feed("".join(texts[i]))
                 reason = "stop" if stopped else _finish(ends[i][0])
+                self.metrics.finish(ends[i][1]["method"], reason)
                 choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens))),
@@ -638,6 +660,11 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
     async def health():
         return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
                 "waiting": len(server.scheduler.waiting)}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        """Prometheus' text format (see specrt.serving.metrics)."""
+        return PlainTextResponse(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
