@@ -474,18 +474,30 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")
 @prefill_chunk_option
-def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk):
+@click.option("--api-key", envvar="SPECRT_API_KEY", default=None, show_envvar=True,
+              help="Requests must carry `Authorization: Bearer KEY` (the openai client's api_key), else 401; "
+                   "/health stays open.")
+@click.option("--max-waiting", default=None, type=click.IntRange(1),
+              help="Requests waiting for a row beyond this are answered 429 (default: no bound).")
+@click.option("--request-timeout", default=None, type=click.FloatRange(0, min_open=True),
+              help="Seconds a request may take from its arrival: its generation then ends with finish_reason "
+                   "length (or, before its first token, a 503). Default: no limit.")
+@click.option("--max-body-bytes", default=4 << 20, show_default=True, type=click.IntRange(1),
+              help="Larger request bodies are answered 413.")
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
+          request_timeout, max_body_bytes):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
     turns itself off at batch sizes where a verify pass no longer pays. Needs the serve extra:
     pip install 'specrt[serve]'."""
     try:
-        from specrt.serving.server import serve as run
+        from specrt.serving.server import Limits, serve as run
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk)
+        limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits)
     except SpecrtError as e:
         _fail(e)
 

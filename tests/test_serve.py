@@ -450,6 +450,112 @@ def test_sigterm_stops_the_server(fresh):
     assert code == 503 and doc["error"]["code"] == "server_shutting_down", doc
 
 
+# ---- the default engines behind an API key, a waiting bound, a time limit and a body limit ----------------------
+
+KEY, TIME_LIMIT_S, BODY_LIMIT = "sk-test-7d1f", 3.0, 65536
+
+
+@pytest.fixture(scope="module")
+def limited(default_engines, tmp_path_factory):
+    """One row (--max-batch 1), one request may wait, 3 s a request, 8-token prefill passes (a long prompt's
+    prefill outlasts the time limit), a key and a body limit."""
+    log = tmp_path_factory.mktemp("serve-limited") / "server.log"
+    with running_server(default_engines, log, "--method", "autoregressive", "--max-batch", "1", "--max-waiting",
+                        "1", "--request-timeout", str(TIME_LIMIT_S), "--prefill-chunk", "8", "--api-key", KEY,
+                        "--max-body-bytes", str(BODY_LIMIT)) as (url, _):
+        yield url
+
+
+def call(url: str, path: str, body: dict | bytes | None = None, key: str | None = KEY) -> tuple[int, dict, dict]:
+    """GET (no body) or POST; (status, JSON answer, headers)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=60) as r:
+            return r.status, json.loads(r.read()) if path != "/metrics" else {}, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def is_error(doc: dict, code: str | None = None) -> bool:
+    error = doc["error"]
+    return set(error) == {"message", "type", "param", "code"} and (code is None or error["code"] == code)
+
+
+@pytest.mark.slow
+def test_api_key_guards_all_but_health(limited, default_generator):
+    url, gen = limited, default_generator
+    assert call(url, "/health", key=None)[0] == 200
+    for path, body in [("/v1/completions", {"prompt": "Hi", "max_tokens": 2}), ("/v1/models", None),
+                       ("/metrics", None)]:
+        for key in (None, KEY + "x", KEY[:-1]):
+            code, doc, headers = call(url, path, body, key=key)
+            assert code == 401 and is_error(doc, "invalid_api_key") and headers["www-authenticate"] == "Bearer", \
+                (path, key, doc)
+    assert call(url, "/metrics")[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    out = api.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].token_ids == gen.generate(prompt_ids=gen.encode(PROMPT, chat=False), max_new_tokens=4,
+                                                    method="autoregressive").token_ids[0]
+
+
+@pytest.mark.slow
+def test_oversized_body_is_a_413(limited):
+    import http.client
+    url = limited
+    code, doc, _ = call(url, "/v1/completions", {"prompt": "x" * BODY_LIMIT})
+    assert code == 413 and is_error(doc) and "--max-body-bytes" in doc["error"]["message"], doc
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)   # no Content-Length: counted as it comes
+    body = (b'{"prompt": "' + b"x" * 4096 * 20 + b'"}')
+    conn.request("POST", "/v1/completions", (body[i:i + 4096] for i in range(0, len(body), 4096)),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, encode_chunked=True)
+    answer = conn.getresponse()
+    doc = json.loads(answer.read())
+    conn.close()
+    assert answer.status == 413 and is_error(doc) and "--max-body-bytes" in doc["error"]["message"], doc
+    assert call(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.slow
+def test_waiting_bound_and_time_limit(limited):
+    """A stream holds the one row: a second request waits, a third is a 429; the stream's time runs out and it ends
+    with finish_reason length, the waiting one then completes; a prompt whose prefill outlasts the time limit gets
+    a 503. The server serves on."""
+    url, began = limited, time.monotonic()
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as stream, ThreadPoolExecutor(1) as pool:
+        lines = [next(stream)]
+        while time.monotonic() - began < 1:   # the waiting request has 1 s of its time left once the stream ends
+            lines.append(next(stream))
+        waiting = pool.submit(call, url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0.8,
+                                                             "seed": 1})
+        deadline = time.monotonic() + 30
+        while json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["waiting"] < 1:
+            assert time.monotonic() < deadline, "the second request never reached the scheduler"
+            time.sleep(0.05)
+        code, doc, _ = call(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+        assert code == 429 and is_error(doc, "too_many_requests") and "--max-waiting 1" in doc["error"]["message"]
+        lines += list(stream)
+        took = time.monotonic() - began
+        code, doc, _ = waiting.result()
+    events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    assert lines[-2].strip() == b"data: [DONE]" or lines[-1].strip() == b"data: [DONE]", lines[-3:]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["specrt"]["stop_reason"] == \
+        "time_limit", events[-1]
+    assert 0 < len(chunk_ids(events)) < 1000 and TIME_LIMIT_S <= took < TIME_LIMIT_S + 5, (len(chunk_ids(events)), took)
+    assert code == 200 and doc["usage"]["completion_tokens"] == 4, doc
+    began = time.monotonic()
+    code, doc, _ = call(url, "/v1/completions", {"prompt": "hello " * 2000, "max_tokens": 4})   # 251 passes
+    assert code == 503 and is_error(doc, "timeout") and "--request-timeout" in doc["error"]["message"], doc
+    assert TIME_LIMIT_S <= time.monotonic() - began < TIME_LIMIT_S + 5
+    assert call(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+
+
 # ---- the default engines (SmolLM2 with its tokenizer): chat, text, stop strings --------------------------------
 
 
