@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
-from specrt.decoding.sampling import ACCEPTANCE
+from specrt.decoding.sampling import ACCEPTANCE, SamplingParams
 from specrt.serving.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("specrt.serving.server")
@@ -535,8 +535,12 @@ class Server:
             raise APIError(400, f"n {req.n}: this server decodes at most {self.scheduler.capacity} sequences at once "
                                 f"(--max-batch {self.scheduler.capacity}): ask for n <= {self.scheduler.capacity} in "
                                 "each request, or serve with a larger --max-batch", "n")
-        return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
-                    temperature=1.0 if req.temperature is None else req.temperature,
+        temperature = 1.0 if req.temperature is None else req.temperature
+        try:
+            SamplingParams(temperature)   # what the schema cannot say: too small to divide by
+        except InputError as e:
+            raise APIError(400, str(e), "temperature") from e
+        return dict(max_new_tokens=max_tokens or self.max_len - len(ids), temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
                     method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
                     adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance)
@@ -702,8 +706,10 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
 
 # ---- the app -------------------------------------------------------------------------------------------------------
 
-# a completion's answers: JSON, or server-sent events when streamed; errors
-ANSWERS = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+# a completion's answers: JSON, or server-sent events when streamed (each event's data: a chunk in OpenAI's format,
+# an error object, or [DONE]); errors
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+ANSWERS = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
            **_errors(400, 401, 404, 413, 429, 500, 503)}
 
 MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
