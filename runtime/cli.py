@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -484,8 +485,14 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
                    "length (or, before its first token, a 503). Default: no limit.")
 @click.option("--max-body-bytes", default=4 << 20, show_default=True, type=click.IntRange(1),
               help="Larger request bodies are answered 413.")
+@click.option("--replicas", default=None, type=click.IntRange(1),
+              help="Serve N replicas on Ray Serve (the scale extra: pip install 'specrt[scale]'), each one engine set "
+                   "with --threads threads (default: the cores divided among them); on a Ray cluster with "
+                   "RAY_ADDRESS set, else a local Ray instance.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Instead of --replicas: between MIN and MAX replicas, Serve aiming at --max-batch requests each.")
 def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
-          request_timeout, max_body_bytes):
+          request_timeout, max_body_bytes, replicas, autoscale):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -497,9 +504,36 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
         limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
+        if replicas is not None or autoscale is not None:
+            _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
+                            limits, replicas, autoscale)
+            return
         run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits)
     except SpecrtError as e:
         _fail(e)
+
+
+def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
+                    replicas, autoscale):
+    """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
+    try:
+        from specrt.serving.replicas import ReplicaConfig, run
+    except ImportError as e:
+        raise click.ClickException(f"--replicas needs Ray Serve ({e.name} is not installed): "
+                                   "pip install 'specrt[scale]'") from e
+    bounds = None
+    if autoscale is not None:
+        try:
+            bounds = tuple(int(n) for n in autoscale.split(":"))
+        except ValueError:
+            bounds = ()
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+            raise click.BadParameter(f"{autoscale!r}: expected MIN:MAX replicas, 0 <= MIN <= MAX, MAX >= 1 (e.g. 1:4)",
+                                     param_hint="--autoscale")
+    count = replicas or (bounds[1] if bounds else 1)
+    threads = threads or max(1, (os.cpu_count() or 1) // count)
+    config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits)
+    run(config, host, port, replicas or 1, bounds)
 
 
 @main.command("bench-serve")
