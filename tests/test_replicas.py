@@ -25,7 +25,7 @@ def replicas(default_engines, tmp_path_factory):
     """`specrt serve --replicas 2`: two replicas of the default engines, one engine thread each."""
     log = tmp_path_factory.mktemp("replicas") / "server.log"
     with server(default_engines, log, "--replicas", "2", "--threads", "1", "--method", "autoregressive",
-                wait_s=300) as (url, pid):
+                wait_s=300, stop_s=60) as (url, pid):   # Serve and Ray take seconds to stop
         yield url, log
 
 

@@ -27,8 +27,9 @@ from specrt.errors import InputError
 
 
 @contextmanager
-def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
-    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id)."""
+def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_s: float = 10):
+    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id). At the
+    end SIGTERM, and SIGKILL if it has not exited stop_s seconds later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,7 +53,7 @@ def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -175,8 +175,8 @@ def run(config: ReplicaConfig, host: str, port: int, replicas: int, autoscale: t
     def stop(*_):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)   # SIGTERM as Ctrl-C: the replicas and a local Ray instance stop too
     ray.init(include_dashboard=False)
+    signal.signal(signal.SIGTERM, stop)   # SIGTERM as Ctrl-C (after Ray's own): the replicas and Ray stop too
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build(config, replicas, autoscale), name="specrt", route_prefix="/", blocking=True)
