@@ -557,8 +557,12 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
               help="--long-prompt: the short streams running when it arrives.")
 @click.option("--prefill-chunk", default=None, type=click.IntRange(1),
               help="--long-prompt: the server's --prefill-chunk (default: its own).")
+@click.option("--replicas", default=None, metavar="R1,R2",
+              help="The waves against `specrt serve --replicas R` for each R (comma-separated, e.g. 1,2), side by "
+                   "side; each replica --threads threads (default: the cores divided among them). Needs the scale "
+                   "extra.")
 def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
-                prefill_chunk):
+                prefill_chunk, replicas):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
     batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
@@ -574,11 +578,13 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
         return
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        counts = None if replicas is None else [int(r) for r in replicas.split(",") if r.strip()]
     except ValueError:
-        raise click.BadParameter(f"{concurrency!r}: expected comma-separated integers, e.g. 1,4,8",
-                                 param_hint="--concurrency") from None
+        raise click.BadParameter(f"{concurrency!r}, {replicas!r}: expected comma-separated integers, e.g. 1,4,8 "
+                                 "and 1,2", param_hint="--concurrency / --replicas") from None
     try:
-        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo)
+        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo,
+            replicas=counts)
     except SpecrtError as e:
         _fail(e)
 
