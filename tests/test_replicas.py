@@ -99,3 +99,20 @@ def test_killed_replica_ends_its_stream_and_is_replaced(replicas):
             assert code == 503 and doc["error"]["code"] == "replica_failed", doc
             time.sleep(0.5)
     assert replica not in answered
+
+
+def test_replica_options_follow_the_batch():
+    """Each Engine replica takes --max-batch requests at once (Serve's default of 5 would starve the batcher) and
+    reserves its engine threads as CPUs; --autoscale aims at a full batch a replica; the ingress only relays."""
+    from specrt.serving.replicas import ReplicaConfig, build
+
+    def engine_of(app):
+        ingress = app._bound_deployment
+        assert ingress.ray_actor_options["num_cpus"] == 0
+        return ingress.init_args[0]._bound_deployment
+
+    engine = engine_of(build(ReplicaConfig("engines/default", threads=2, max_batch=6), replicas=3))
+    assert (engine.num_replicas, engine.max_ongoing_requests, engine.ray_actor_options["num_cpus"]) == (3, 6, 2)
+    scaling = engine_of(build(ReplicaConfig("engines/default", max_batch=6), autoscale=(1, 4)))._deployment_config
+    auto = scaling.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 6)

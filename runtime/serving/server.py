@@ -8,8 +8,10 @@ joining request's prompt is prefilled in chunks (--prefill-chunk tokens), one ch
 running batch, so that a long prompt does not stall the streams already running (chunked prefill). A
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
 thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
-(a stream: an error chunk, then [DONE]) and the next batch starts afresh. On SIGTERM (or Ctrl-C) the running
-requests get SHUTDOWN_GRACE_S seconds to finish, then end with an error.
+(a stream: an error chunk, then [DONE]) and the next batch starts afresh; a prefill pass that fails answers its own
+request alone. On SIGTERM (or Ctrl-C) the running requests get SHUTDOWN_GRACE_S seconds to finish, then end with an
+error. Limits (an API key, a bound on waiting requests, a time limit per request, a body size limit) and Prometheus
+metrics (/metrics, specrt.serving.metrics) are the app's; specrt.serving.replicas runs it in Ray Serve replicas.
 """
 from __future__ import annotations
 
