@@ -60,8 +60,10 @@ def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width:
 
 
 def verify_costs(gen, sizes) -> dict[int, float]:
-    context = max(0, min(64, gen.target.spec["max_seq_len"] - max(sizes)))
-    return {k: gen.target.time_pass(context, k, reps=5) for k in sizes}
+    """Seconds of a target pass over each size measured up to the largest of `sizes` (the generator's pass times,
+    measured once per process: Generator.costs)."""
+    verify = gen.costs(upto=max(sizes), draft=False).verify
+    return {k: t for k, t in verify.items() if k <= max(sizes)}
 
 
 def heads_time(gen) -> float:

@@ -661,19 +661,21 @@ SHAPES = tuple(DynamicTree(k, d, n) for k, d, n in ((2, 3, 4), (2, 4, 6), (3, 4,
                                                       (4, 6, 24), (6, 6, 32), (8, 6, 48)))
 
 
-def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log=print) -> DynamicTree:
+def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log=print,
+         patience: int = 2) -> DynamicTree:
     """The shape (the envelope of adaptive rounds) with the most tokens per second by the cost model, its trees
     grown in full every round: tokens per round at T = 0 on `prompts`
     (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
     through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
-    loop's own time per round."""
+    loop's own time per round. The shapes go from small to large; once `patience` shapes in a row fall short of
+    the best, the larger ones are not tried (their cost grows faster than their tokens per round)."""
     from specrt.decoding.calibrate import verify_costs
-    measured = verify_costs(gen, sorted({1, 2, 8} | {s.nodes + 1 for s in shapes}))
+    measured = verify_costs(gen, [max(s.nodes for s in shapes) + 1])
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
     draft = gen.eagle
     draft_pass = draft.time_pass(max(0, min(64, draft.spec["max_seq_len"] - 8)), 8, reps=5,
                                  **pass_inputs(draft.spec, 1, 8, draft.device))
-    saved, best = draft.spec.get("dynamic_tree"), (0.0, None)
+    saved, best, behind = draft.spec.get("dynamic_tree"), (0.0, None), 0
     try:
         for shape in shapes:
             draft.spec["dynamic_tree"] = asdict(shape)
@@ -685,7 +687,9 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
             cost = intercept + max(slope, 0.0) * (shape.nodes + 1) + shape.depth * draft_pass + loop
             log(f"top_k {shape.top_k} depth {shape.depth} nodes {shape.nodes}: {per_round:.2f} tokens/round, "
                 f"{1e3 * cost:.1f} ms/round -> {per_round / cost:.1f} tokens/s")
-            best = max(best, (per_round / cost, shape), key=lambda b: b[0])
+            best, behind = ((per_round / cost, shape), 0) if per_round / cost > best[0] else (best, behind + 1)
+            if behind == patience:
+                break
     finally:
         draft.spec["dynamic_tree"] = saved
     return best[1]

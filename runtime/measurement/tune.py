@@ -52,7 +52,8 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
     speeds, acceptance = {}, {}
     for regime in tuning.REGIMES:
         temperature = 0.0 if regime == "greedy" else cfg.temperature
-        speeds[regime], acceptance[regime] = _race(gen, methods, prompts, cfg.new_tokens, temperature)
+        speeds[regime], acceptance[regime] = _race(gen, methods, prompts, cfg.new_tokens, temperature,
+                                                   warm_up=regime == tuning.REGIMES[0])
     rule = tuning.rule(gen)
     chosen = {r: _fastest(speeds[r], rule, cfg.margin) for r in tuning.REGIMES}
     for r in tuning.REGIMES:
@@ -92,12 +93,12 @@ def _trees(gen: Generator, prompts: list[list[int]], log) -> None:
 
 
 def _race(gen: Generator, methods: list[str], prompts: list[list[int]], new_tokens: int,
-          temperature: float) -> tuple[dict[str, float], dict[str, list]]:
-    """Tokens per second of each method over the prompts (the methods' order rotating from prompt to prompt, each
-    method warmed up first: a drafter loads at its first use), and each speculative method's acceptance per draft
-    position over them."""
+          temperature: float, warm_up: bool = True) -> tuple[dict[str, float], dict[str, list]]:
+    """Tokens per second of each method over the prompts (the methods' order rotating from prompt to prompt; with
+    `warm_up`, each method runs briefly first: a drafter loads at its first use), and each speculative method's
+    acceptance per draft position over them."""
     kw = dict(max_new_tokens=new_tokens, temperature=temperature)
-    for m in methods:
+    for m in methods if warm_up else ():
         gen.generate(prompt_ids=prompts[0], method=m, **dict(kw, max_new_tokens=8))
     tokens, seconds, per_position = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0), {}
     for i, ids in enumerate(prompts):
