@@ -12,7 +12,7 @@ from specrt.export.train.run import KINDS
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
-METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]
 TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
                    "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
                    "target's own sampling (--acceptance exact, the default, is)")
@@ -145,6 +145,10 @@ def _prefill_chunk_option():
 
 
 prefill_chunk_option = _prefill_chunk_option()
+datastore_option = click.option(
+    "--datastore", default=None, type=click.Path(exists=True, file_okay=False),
+    help="rest: a datastore of `specrt datastore build` (made with this engine set's tokenizer) that drafts are "
+         "looked up in, beside the text itself.")
 
 
 def sampling_options(f):
@@ -172,6 +176,7 @@ def sampling_options(f):
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
         prefill_chunk_option,
+        datastore_option,
     ]):
         f = opt(f)
     return f
@@ -187,7 +192,8 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, acceptance, device, threads, prefill_chunk):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, acceptance, device, threads, prefill_chunk,
+             datastore):
     """Generate from ENGINES."""
     from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -200,7 +206,8 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
     if acceptance == "typical" and temperature > 0:
         _log(TYPICAL_WARNING)
     try:
-        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
+        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
+                                     datastore=datastore)
         if stream:
             printed = 0
             for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes
@@ -474,7 +481,12 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")
 @prefill_chunk_option
-def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk):
+@datastore_option
+@click.option("--suffix-cache", "suffix_cache_mb", default=None, type=click.FloatRange(0.001),
+              help="Suffix decoding: keep the outputs of finished requests (token ids) in an index of this many MB, "
+                   "the oldest leaving first, that later rest requests draft from beside their own prompt.")
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, datastore,
+          suffix_cache_mb):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -485,7 +497,8 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk)
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, datastore,
+            suffix_cache_mb)
     except SpecrtError as e:
         _fail(e)
 
@@ -533,6 +546,35 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
                                  param_hint="--concurrency") from None
     try:
         run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo)
+    except SpecrtError as e:
+        _fail(e)
+
+
+@main.group()
+def datastore():
+    """Datastores for --method rest: a corpus tokenized and indexed for longest-suffix lookup."""
+
+
+@datastore.command("build")
+@click.argument("corpus", nargs=-1, required=True, type=click.Path())
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The engine set whose tokenizer the corpus is tokenized with (only it can use the datastore).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The datastore directory to write.")
+@click.option("--exclude", multiple=True, help="Folders or files under a CORPUS directory to leave out (a glob on "
+              "the name, e.g. test; repeatable).")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a datastore, once the new one is complete.")
+def datastore_build(corpus, engines, out, exclude, force):
+    """Tokenize CORPUS (text files, .py files, JSONL rows of {"text": ...}, {"messages": [...]} or {"ids": [...]};
+    a directory: its .txt, .md, .rst, .py and .jsonl files) and write its suffix array, memory-mapped at use.
+
+    \b
+    Example:
+      specrt datastore build $(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])') \\
+          --exclude test --exclude idlelib --engines engines/default --out build/datastores/stdlib
+      specrt generate engines/default --method rest --datastore build/datastores/stdlib --prompt "def parse(" """
+    from specrt.decoding.datastore import build
+    try:
+        build(corpus, engines, out, force=force, exclude=exclude, log=_log)
     except SpecrtError as e:
         _fail(e)
 

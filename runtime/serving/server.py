@@ -38,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
+from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
+from specrt.decoding.run import MODEL_FREE
 from specrt.decoding.sampling import ACCEPTANCE
 
 log = logging.getLogger("specrt.serving.server")
@@ -365,7 +367,7 @@ class Server:
 
     def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8):
         self.gen, self.model_name = gen, model_name
-        self.methods = [AUTO] + [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
+        self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
         if max_batch < 1:
@@ -668,9 +670,15 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
-          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK) -> None:
-    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
-    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
+          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, datastore: str | Path | None = None,
+          suffix_cache_mb: float | None = None) -> None:
+    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
+    `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
+    outputs (see SuffixCache)."""
+    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
+                                 datastore=datastore)
+    if suffix_cache_mb is not None:
+        gen.suffix_cache = SuffixCache(suffix_cache_mb)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
