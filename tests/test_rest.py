@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from specrt.decoding.datastore import (Datastore, DatastoreError, SuffixCache, T
 from specrt.decoding.generate import Generator
 from specrt.decoding.rest import RestShape
 from specrt.decoding.sampling import SamplingParams
+from test_serve import client, running_server
 from test_speculative import P_MIN, V, chi_square_p, exact_joint, sample_first3
 
 
@@ -115,6 +117,33 @@ def test_suffix_cache_drafts_a_repeated_request(rest_pair, monkeypatch):
     monkeypatch.setattr(gen, "suffix_cache", None)
     alone = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="rest")
     assert alone.stats["mean_tokens_per_round"] < again.stats["mean_tokens_per_round"]
+
+
+def test_server_suffix_cache(rest_pair, tmp_path):
+    """`specrt serve --suffix-cache`: 80 requests through a cache of 0.002 MB (524 tokens) keep it at its size, the
+    oldest outputs gone; answers stay the target's greedy ones, and a request repeated is drafted from its first
+    answer (more tokens a round than the first time)."""
+    gen, _, _ = rest_pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (4,), generator=g).tolist() for _ in range(80)]
+    with running_server(gen.directory, tmp_path / "log", "--method", "rest", "--suffix-cache", "0.002", "--model-name", "m", "--threads",
+                        "1") as (url, _):
+        api = client(url)
+        outs = [api.completions.create(model="m", prompt=p, max_tokens=20, temperature=0) for p in prompts]
+        for p, out in zip(prompts[:4], outs):
+            assert out.choices[0].token_ids == gen.generate(prompt_ids=p, max_new_tokens=20,
+                                                             method="autoregressive").token_ids[0]
+        again = api.completions.create(model="m", prompt=prompts[-1], max_tokens=20, temperature=0)
+        status, health = post_get(url + "/health")
+    assert again.choices[0].token_ids == outs[-1].choices[0].token_ids and again.specrt["method"] == "rest"
+    assert again.specrt["mean_tokens_per_round"] > outs[-1].specrt["mean_tokens_per_round"]
+    cache = health["suffix_cache"]
+    assert cache["bytes"] == 524 * 4 and cache["tokens"] <= 524 and 20 <= cache["outputs"] < 81
+
+
+def post_get(url: str) -> tuple[int, dict]:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.status, json.loads(r.read())
 
 
 def test_suffix_cache_memory_is_bounded():

@@ -638,8 +638,11 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
     @app.get("/health")
     async def health():
+        cache = server.gen.suffix_cache
         return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
-                "waiting": len(server.scheduler.waiting)}
+                "waiting": len(server.scheduler.waiting),
+                **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
+                   if cache is not None else {})}
 
     @app.get("/v1/models")
     async def models():
