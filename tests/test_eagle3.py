@@ -182,6 +182,11 @@ def test_drafter_logits_match_the_published_architecture(published):
     assert out.logits.shape == (1, S, K)
     assert torch.allclose(out.logits[0], ref_logits, atol=1e-4), (out.logits[0] - ref_logits).abs().max()
     assert torch.allclose(out.hidden[0], ref_h, atol=1e-4)
+    from specrt.export.eagle3 import load_eagle3
+    from specrt.export.model import from_hf
+    eager = load_eagle3(ckpt, from_hf(model, MAX_LEN), LAYOUTS[name][4])   # the training pass (SDPA) agrees too
+    with torch.no_grad():
+        assert torch.allclose(eager.train_forward(fused[None], slot_ids[None])[0], ref_h, atol=1e-4)
     cache.write(out.new_kv)
     cache.past_len += S
     own, token = out.hidden[:, -1:].clone(), 17
