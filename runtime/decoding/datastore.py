@@ -206,6 +206,23 @@ class SuffixCache:
         return find_in(self.buffer[:self.used], context, max_n, depth, limit)
 
 
+def best_chain(stores, context: np.ndarray, depth: int, max_n: int = 16, min_n: int = 2, limit: int = 64) -> np.ndarray:
+    """The most frequent continuation, token by token, of the context's longest suffix (at least min_n tokens) in
+    any of `stores`; empty where none matches."""
+    best = max((s.lookup(context, max_n, depth, limit) for s in stores), key=lambda m: m.n, default=None)
+    if best is None or best.n < min_n:
+        return np.zeros(0, np.int64)
+    rows, chain = best.continuations, []
+    for d in range(depth):
+        column = rows[:, d]
+        values, counts = np.unique(column[column >= 0], return_counts=True)
+        if not len(values):
+            break
+        chain.append(values[counts.argmax()])
+        rows = rows[column == chain[-1]]
+    return np.array(chain, np.int64)
+
+
 def _describe(identity: dict) -> str:
     sha = identity.get("tokenizer_sha256")
     return (f"{sha[:12]}… (vocabulary {identity.get('vocab_size')}, of {identity.get('source')})" if sha else

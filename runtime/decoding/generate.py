@@ -126,6 +126,11 @@ class Generator:
         store.check_tokenizer(tokenizer_identity(self.manifest), self.directory)
         self.datastore = store
 
+    @property
+    def retrieval_sources(self) -> list:
+        """The stores that rest (and EAGLE's lookup chains, where the text has no match) draft from."""
+        return [s for s in (self.datastore, self.suffix_cache) if s is not None]
+
     def start_warm(self, tuned: tuning.Tuning) -> None:
         """Start from the engine set's tuning as from the last request of a warm process: its pass times (not
         measured again), and what its last request of each method left the adaptive policies and EAGLE's
@@ -367,8 +372,7 @@ class Generator:
             shape = self.rest_shape
             sizing = (lambda n: self.costs(min(n, MAX_MEASURED_BATCH), upto=shape.nodes + 1, draft=False)) \
                 if adaptive else None
-            sources = [s for s in (self.datastore, self.suffix_cache) if s is not None]
-            return RestDrafter(sources, shape, sizing, chains=self.chains_only)
+            return RestDrafter(self.retrieval_sources, shape, sizing, chains=self.chains_only)
         if method == "medusa":
             chosen = self.tree_for("medusa", tree_choices)
             return MedusaDrafter(self.medusa, Tree.chain(chosen.max_depth) if self.chains_only else chosen,
@@ -377,7 +381,7 @@ class Generator:
             shape = self.eagle_shape()
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
-                                figures=figures)
+                                figures=figures, sources=self.retrieval_sources)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)

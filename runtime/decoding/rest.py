@@ -9,8 +9,12 @@ the larger share). A row's candidates are its `nodes` most frequent paths, named
 so that the rows of a batch share one tree shape (as EAGLE's rows do): a path that only another row has holds a
 filler token here, a proposal like any other. The round verifies the most probable nodes (the mean estimate over
 the live rows, scaled by how well the estimates have predicted acceptance), as many as pay by the target's
-measured pass times, with the loop's lossless tree rules; rounds without a match are plain steps, and Batch's
-TreePolicy turns to plain steps where trees stop paying. A target that verifies chains only (int8 activations)
+measured pass times, with the loop's lossless tree rules. How well the estimates predict acceptance depends on
+how long the match was (a one-token match in a corpus of code says little about a chat answer), so they are
+scaled per match length by what the rows' trees of that length accepted so far (drifting back to 1 while no tree
+is tried). Rounds without a match, or whose best tree is expected to give fewer tokens per second than a plain
+step, are plain steps, and Batch's TreePolicy
+turns to plain steps where trees stop paying as measured. A target that verifies chains only (int8 activations)
 gets each row's chain of most frequent tokens.
 """
 from __future__ import annotations
@@ -56,8 +60,9 @@ class RestDrafter:
     def __init__(self, sources=(), shape: RestShape = RestShape(), costs=None, chains: bool = False):
         self.sources, self.shape, self.costs, self.chains = list(sources), shape, costs, chains
         self.tree, self.span = shape.envelope, shape.nodes + 1
-        self.calibration = [1.0, 1.0]   # decayed drafts accepted per row, and what the estimates predicted
-        self._pending = None            # (run.accepted before the round, live rows, predicted)
+        # per match length (up to LONG): decayed drafts accepted by the rows, and what their estimates predicted
+        self.calibration = {n: [1.0, 1.0] for n in range(1, self.LONG + 1)}
+        self._pending = None            # per row of the last tree: (its match length, its estimates' sum)
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         pass
@@ -68,19 +73,25 @@ class RestDrafter:
     def move(self, src: int, dst: int, count: int) -> None:
         pass
 
+    LONG = 8   # match lengths from here on share one calibration
+
     def observe(self, run) -> None:
-        if self._pending is not None:
-            before, live, predicted = self._pending
-            accepted, forecast = self.calibration
-            self.calibration = [DECAY * accepted + (run.accepted - before) / live, DECAY * forecast + predicted]
-            self._pending = None
+        """The rows' accepted drafts (the round's host read) against what their estimates predicted."""
+        if self._pending is not None and run.host_pass is not None:
+            accepted = run.host_pass[1]
+            for b, (n, predicted) in self._pending.items():
+                total = self.calibration[n]
+                self.calibration[n] = [DECAY * total[0] + accepted[b], DECAY * total[1] + predicted]
+        self._pending = None
 
-    @property
-    def scale(self) -> float:
-        return self.calibration[0] / self.calibration[1]
+    def scale(self, n: int) -> float:
+        """Drafts accepted per draft predicted, after matches of length n."""
+        accepted, predicted = self.calibration[min(n, self.LONG)]
+        return accepted / predicted
 
-    def candidates(self, context: np.ndarray, depth: int) -> dict[tuple, tuple[int, float]]:
-        """A row's candidates: rank path -> (token, estimated probability), every path's prefixes included."""
+    def candidates(self, context: np.ndarray, depth: int) -> tuple[int, dict[tuple, tuple[int, float]]]:
+        """A row's match length and candidates: rank path -> (token, estimated probability), every path's prefixes
+        included."""
         s = self.shape
         matches = [find_in(context, context, s.max_n, depth, s.limit, exclude_last=True)]
         matches += [source.lookup(context, s.max_n, depth, s.limit) for source in self.sources]
@@ -111,7 +122,7 @@ class RestDrafter:
                     break
                 out[ranks + (r,)] = (child[-1], share[child])
                 stack.append((child, ranks + (r,)))
-        return out
+        return n, out
 
     def propose(self, run, gamma: int) -> Proposal:
         B, depth = run.batch, min(self.shape.depth, gamma)
@@ -124,22 +135,29 @@ class RestDrafter:
                 memo[key] = self.candidates(context, depth)
             rows[b] = memo[key]
         count = len(rows)
-        mean = collections.Counter()
-        for cands in rows.values():
+        mean = collections.Counter()   # the rows' calibrated estimates, averaged
+        for n, cands in rows.values():
+            scale = self.scale(n) if n else 0.0
             for path, (_, p) in cands.items():
-                mean[path] += p / count
-        if not mean:   # nothing matched: a plain step
+                mean[path] += min(p * scale, 1.0) / count
+        order = sorted(mean, key=lambda p: (-mean[p], len(p), p))[:self.shape.nodes]
+        if self.costs is not None and order:   # as many nodes as pay, if a tree pays at all
+            costs, probs = self.costs(count), np.array([mean[p] for p in order])
+            size = _best_size(costs, probs, 0.0)
+            if (1 + probs[:size].sum()) / costs.pass_time(size + 1) <= 1 / costs.pass_time(1):
+                size = 0
+                for n in {min(n, self.LONG) for n, _ in rows.values() if n}:   # untried, a scale drifts back
+                    self.calibration[n] = [DECAY * v + (1 - DECAY) for v in self.calibration[n]]
+            order = order[:size]
+        if not order:   # nothing matched, or nothing that pays: a plain step
             self._pending = None
             return run.inputs(B, 1).empty
-        order = sorted(mean, key=lambda p: (-mean[p], len(p), p))[:self.shape.nodes]
-        if self.costs is not None:
-            probs = self.scale * np.array([mean[p] for p in order])
-            order = order[:_best_size(self.costs(count), probs, 0.0)]
         tree = tree_of(tuple(sorted(order, key=lambda p: (len(p), p))))
         tokens = np.full((B, tree.size - 1), self.FILLER, np.int64)
-        for b, cands in rows.items():
+        for b, (_, cands) in rows.items():
             tokens[b] = [cands[p][0] if p in cands else self.FILLER for p in tree.paths]
-        self._pending = (run.accepted, count, float(sum(mean[p] for p in tree.paths)))
+        self._pending = {b: (min(n, self.LONG), sum(cands[p][1] for p in tree.paths if p in cands))
+                         for b, (n, cands) in rows.items() if n}
         nodes = torch.from_numpy(tokens)
         host = run.device.type == "cpu"
         return Proposal(nodes.to(run.device), None, torch.ones(nodes.shape, dtype=torch.bool, device=run.device),
