@@ -329,7 +329,7 @@ def build(corpus, engines: str | os.PathLike, out: str | os.PathLike, force: boo
     log(f"{count:,} tokens in {docs:,} documents from {len(files)} files; indexing")
     suffixes = divsufsort(tokens)
     info = {"format": FORMAT, "tokenizer": identity, "engines": str(engines), "separator": vocab,
-            "sources": [str(p) for p in corpus], "files": len(files), "documents": docs, "tokens": count,
+            "sources": [str(p) for p in corpus], "exclude": list(exclude), "files": len(files), "documents": docs, "tokens": count,
             "build_s": round(time.perf_counter() - began, 2),
             "bytes": int(tokens.nbytes + suffixes.nbytes), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with StagingDir(out, force) as tmp:
