@@ -40,3 +40,23 @@ def assert_same_or_tie(ours: list[int], ref: list[int], prompt: list[int], model
     if report is not None:
         report.append((i, gap))
     report_tie(f"near tie at new token {i}: logit gap {gap:.2e} (tokens {ours[i]} vs {ref[i]})")
+
+
+def assert_greedy_under(model, prompt: list[int], ours: list[int], max_new: int, stop_ids, report: list | None = None):
+    """`ours` is the reference model's greedy continuation of `prompt`, checked in one teacher-forced pass: each token
+    is the model's argmax after the tokens before it, or a near tie (reported; the check goes on from our token).
+    By induction this is what `generate` would give, at the cost of one forward pass instead of one per token. The
+    length too: `max_new` tokens, or fewer ending at the first stop id."""
+    COMPARED[0] += 1
+    stops = [i for i, t in enumerate(ours) if t in stop_ids]
+    assert len(ours) == max_new if not stops else stops[0] == len(ours) - 1, \
+        f"{len(ours)} tokens of {max_new}, stop ids at {stops}: not where generation should end"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:].float()   # (len(ours), V)
+    best = logits.argmax(-1)
+    for i in (best != torch.tensor(ours)).nonzero().flatten().tolist():
+        gap = float(logits[i, best[i]] - logits[i, ours[i]])
+        assert gap < TIE_GAP, f"new token {i}: ours {ours[i]}, the model's argmax {int(best[i])}, logit gap {gap:.3g}"
+        if report is not None:
+            report.append((i, gap))
+        report_tie(f"near tie at new token {i}: logit gap {gap:.2e} (tokens {ours[i]} vs {int(best[i])})")
