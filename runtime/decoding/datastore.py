@@ -121,7 +121,7 @@ class Datastore:
     def check_tokenizer(self, identity: dict, engines) -> None:
         """Refuse a datastore whose tokenizer is not the engine set's (`identity`, see tokenizer_identity)."""
         mine = self.manifest["tokenizer"]
-        if mine != identity:
+        if not same_tokenizer(mine, identity):
             raise TokenizerMismatchError(
                 f"datastore {self.directory} was built with tokenizer {_describe(mine)}; the engine set {engines} "
                 f"uses {_describe(identity)}: rebuild it with `specrt datastore build ... --engines {engines}`")
@@ -221,6 +221,14 @@ def best_chain(stores, context: np.ndarray, depth: int, max_n: int = 16, min_n: 
         chain.append(values[counts.argmax()])
         rows = rows[column == chain[-1]]
     return np.array(chain, np.int64)
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Two tokenizer identities (tokenizer_identity) make the same ids: the same tokenizer.json and vocabulary (a
+    fine-tune of the model keeps them), or, for engine sets without a tokenizer, the same vocabulary and model."""
+    if a.get("tokenizer_sha256") and b.get("tokenizer_sha256"):
+        return a["tokenizer_sha256"] == b["tokenizer_sha256"] and a["vocab_size"] == b["vocab_size"]
+    return a == b
 
 
 def _describe(identity: dict) -> str:
