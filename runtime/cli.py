@@ -247,9 +247,10 @@ def _summary(s: dict) -> None:
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle"]), default="draft",
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "rest"]), default="draft",
               show_default=True)
 @click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
+@datastore_option
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")
 @click.option("--samples", default=2000, show_default=True,
@@ -263,8 +264,8 @@ def _summary(s: dict) -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @acceptance_option(" verify checks exact acceptance only: typical is refused.")
-def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
-           alpha, seed, device, acceptance):
+def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p,
+           gamma, alpha, seed, device, acceptance):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed).
 
@@ -280,7 +281,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
                                "(it accepts any draft the target finds likely enough), so it cannot pass this check "
                                "of the target's output; verify checks --acceptance exact, the default")
     try:
-        gen = Generator.from_engines(engines, device=device)
+        gen = Generator.from_engines(engines, device=device, datastore=datastore)
         n = max(num_prompts, 1)   # the sampling check draws after the first prompt
         if gen.tokenizer is not None:
             prompts = [gen.encode(p.text) for p in load_prompts(None, n)]

@@ -178,6 +178,14 @@ def test_suffix_cache_memory_is_bounded():
     assert cache.outputs == 1 and cache.used == 1048 and cache.buffer[cache.used - 2] == 4999 % 900
 
 
+def test_verify_command_checks_rest(rest_pair):
+    """`specrt verify --method rest --datastore DIR`: greedy identity and the chi-square checks pass."""
+    gen, _, tmp = rest_pair
+    result = CliRunner().invoke(main, ["verify", str(gen.directory), "--method", "rest", "--datastore",
+                                       str(tmp / "store"), "--samples", "1000", "--top-k", "0", "--temperature", "1"])
+    assert result.exit_code == 0 and result.output.strip().endswith("PASS"), result.output
+
+
 def test_datastore_errors(rest_pair, tmp_path):
     gen, _, tmp = rest_pair
     engines = str(gen.directory)
