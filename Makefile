@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(TESTED): $(STAMP)
-	$(PIP) install -q -e ".[cpu,serve,test]"
+	$(PIP) install -q -e ".[cpu,serve,test,scale]"
 	touch $@
 
 setup: $(TESTED)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -482,26 +483,73 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Sequences decoded together: concurrent requests join the running batch between rounds.")
 @prefill_chunk_option
+@click.option("--api-key", envvar="SPECRT_API_KEY", default=None, show_envvar=True,
+              help="Requests must carry `Authorization: Bearer KEY` (the openai client's api_key), else 401; "
+                   "/health stays open.")
+@click.option("--max-waiting", default=None, type=click.IntRange(1),
+              help="Requests waiting for a row beyond this are answered 429 (default: no bound).")
+@click.option("--request-timeout", default=None, type=click.FloatRange(0, min_open=True),
+              help="Seconds a request may take from its arrival: its generation then ends with finish_reason "
+                   "length (or, before its first token, a 503). Default: no limit.")
+@click.option("--max-body-bytes", default=4 << 20, show_default=True, type=click.IntRange(1),
+              help="Larger request bodies are answered 413.")
+@click.option("--replicas", default=None, type=click.IntRange(1),
+              help="Serve N replicas on Ray Serve (the scale extra: pip install 'specrt[scale]'), each one engine set "
+                   "with --threads threads (default: the cores divided among them); on a Ray cluster with "
+                   "RAY_ADDRESS set, else a local Ray instance.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Instead of --replicas: between MIN and MAX replicas, Serve aiming at --max-batch requests each.")
 @datastore_option
 @click.option("--suffix-cache", "suffix_cache_mb", default=None, type=click.FloatRange(0.001),
               help="Suffix decoding: keep the outputs of finished requests (token ids) in an index of this many MB, "
                    "the oldest leaving first, that later rest requests draft from beside their own prompt.")
-def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, datastore,
-          suffix_cache_mb):
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
+          request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
     turns itself off at batch sizes where a verify pass no longer pays. Needs the serve extra:
     pip install 'specrt[serve]'."""
     try:
-        from specrt.serving.server import serve as run
+        from specrt.serving.server import Limits, serve as run
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, datastore,
+        limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
+        if replicas is not None or autoscale is not None:
+            if datastore is not None or suffix_cache_mb is not None:
+                raise click.UsageError("--datastore and --suffix-cache are for one server process: Ray Serve "
+                                       "replicas do not take them yet (drop --replicas/--autoscale)")
+            _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
+                            limits, replicas, autoscale)
+            return
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
             suffix_cache_mb)
     except SpecrtError as e:
         _fail(e)
+
+
+def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
+                    replicas, autoscale):
+    """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
+    try:
+        from specrt.serving.replicas import ReplicaConfig, run
+    except ImportError as e:
+        raise click.ClickException(f"--replicas needs Ray Serve ({e.name} is not installed): "
+                                   "pip install 'specrt[scale]'") from e
+    bounds = None
+    if autoscale is not None:
+        try:
+            bounds = tuple(int(n) for n in autoscale.split(":"))
+        except ValueError:
+            bounds = ()
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+            raise click.BadParameter(f"{autoscale!r}: expected MIN:MAX replicas, 0 <= MIN <= MAX, MAX >= 1 (e.g. 1:4)",
+                                     param_hint="--autoscale")
+    count = replicas or (bounds[1] if bounds else 1)
+    threads = threads or max(1, (os.cpu_count() or 1) // count)
+    config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits)
+    run(config, host, port, replicas or 1, bounds)
 
 
 @main.command("bench-serve")
@@ -525,8 +573,12 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
               help="--long-prompt: the short streams running when it arrives.")
 @click.option("--prefill-chunk", default=None, type=click.IntRange(1),
               help="--long-prompt: the server's --prefill-chunk (default: its own).")
+@click.option("--replicas", default=None, metavar="R1,R2",
+              help="The waves against `specrt serve --replicas R` for each R (comma-separated, e.g. 1,2), side by "
+                   "side; each replica --threads threads (default: the cores divided among them). Needs the scale "
+                   "extra.")
 def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
-                prefill_chunk):
+                prefill_chunk, replicas):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
     batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
@@ -542,11 +594,13 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
         return
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        counts = None if replicas is None else [int(r) for r in replicas.split(",") if r.strip()]
     except ValueError:
-        raise click.BadParameter(f"{concurrency!r}: expected comma-separated integers, e.g. 1,4,8",
-                                 param_hint="--concurrency") from None
+        raise click.BadParameter(f"{concurrency!r}, {replicas!r}: expected comma-separated integers, e.g. 1,4,8 "
+                                 "and 1,2", param_hint="--concurrency / --replicas") from None
     try:
-        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo)
+        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo,
+            replicas=counts)
     except SpecrtError as e:
         _fail(e)
 

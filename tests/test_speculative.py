@@ -14,6 +14,7 @@ from specrt.decoding.generate import Generator
 from specrt.decoding.sampling import (SamplingParams, argmax, draw_host, probs, sample, softmax_host, top_k_ids,
                              top_k_in_place)
 from specrt.decoding.tree import Tree
+from specrt.errors import InputError
 
 V = 24          # small enough to compute the exact joint distribution of the first 3 tokens
 N = 20000       # samples per test: enough to catch a 2% error
@@ -270,6 +271,18 @@ def test_greedy_rule():
     assert n.item() == 2 and nxt.item() == 1                   # all accepted, bonus argmax
     n, nxt = verification.greedy(logits, torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.bool))
     assert n.item() == 0 and nxt.item() == 1                   # first rejected, target's token
+
+
+def test_extreme_sampling_options():
+    """A top_p that float32 rounds to 0 keeps the top token (it gave NaN probabilities); a temperature so small that
+    logits / temperature overflow float32 is refused, naming greedy decoding."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    for top_p in (5e-324, 1e-40, 1e-3):
+        assert probs(logits, SamplingParams(temperature=0.7, top_p=top_p)).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    for temperature in (1e-39, 5e-324, 1e-7):
+        with pytest.raises(InputError, match="send 0 for greedy"):
+            SamplingParams(temperature=temperature)
+    assert probs(logits, SamplingParams(temperature=1e-6)).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def test_fast_argmax_and_top_k_match_torch():

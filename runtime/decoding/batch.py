@@ -199,12 +199,12 @@ class Batch:
         zero = torch.zeros(copies, 1, dtype=torch.int64, device=run.device)
         gen._account(run, torch.cat([zero, first[:, None], zero, first[:, None]], 1).tolist(), first=r)
 
-    def cancel(self, which: Callable[[object], bool]) -> None:
-        """The rows whose owner `which` picks stop now (stop reason "cancelled"); retire() frees them. Joining
+    def cancel(self, which: Callable[[object], bool], reason: str = "cancelled") -> None:
+        """The rows whose owner `which` picks stop now (stop reason `reason`); retire() frees them. Joining
         requests whose owners it all picks leave the queue (their rows are free again)."""
         for b, row in enumerate(self.run.rows):
             if which(row.owner) and self.run.active[b]:
-                self.run.active[b], row.stop_reason = False, "cancelled"
+                self.run.active[b], row.stop_reason = False, reason
         self.joining = collections.deque(j for j in self.joining if not all(map(which, j.owners)))
 
     def retire(self) -> list[tuple[_Row, list[int]]]:
@@ -305,7 +305,8 @@ class Batch:
         return {"method": self.method, "method_from": self.method_from, **self.acceptance(), "tokens": tokens,
                 "rounds": row.rounds, "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
-                "stop_reason": row.stop_reason}
+                "stop_reason": row.stop_reason, "drafts": row.drafts, "draft_tokens": row.proposed,
+                "accepted_tokens": row.accepted, "accepted_per_position": list(row.accepted_per_position)}
 
     def batch_rounds(self) -> dict:
         """Rounds by live rows since the batch began, and how many of them speculated."""

@@ -501,6 +501,12 @@ class Generator:
             row = run.rows[b]
             accepted, proposed = accepted + n, proposed + width
             row.accepted, row.proposed = row.accepted + n, row.proposed + width
+            if width:
+                row.drafts += 1
+                per = row.accepted_per_position
+                per += [0] * (n - len(per))
+                for i in range(n):
+                    per[i] += 1
             for i in range(width):
                 while len(run.per_position) <= i:
                     run.per_position.append([0, 0])

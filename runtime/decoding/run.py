@@ -1,7 +1,7 @@
 """The state of a generation: its rows, their tokens and caches, and what a request gets back."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -62,6 +62,8 @@ class _Row:
     rounds: int = 0                 # rounds it took part in, and its drafts in them
     accepted: int = 0
     proposed: int = 0
+    drafts: int = 0                 # rounds that proposed tokens for it
+    accepted_per_position: list[int] = field(default_factory=list)   # accepted draft tokens at each depth
 
 
 class _Run:

@@ -9,6 +9,9 @@ import torch
 from specrt.errors import InputError
 
 ACCEPTANCE = ("exact", "typical")   # the verification rules: exact (the target's distribution) or Medusa's typical
+# Below it, logits / temperature can overflow float32 (1e-39 does: NaN probabilities, an id out of the vocabulary);
+# sampling there is greedy decoding but for exact ties.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,9 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature >= 0:
             raise InputError(f"temperature {self.temperature}: must be >= 0 (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InputError(f"temperature {self.temperature:g}: between 0 and {MIN_TEMPERATURE:g} the logits divided "
+                             "by it overflow float32, and sampling at it is greedy decoding: send 0 for greedy")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p {self.top_p}: must be in (0, 1] (1 turns it off)")
         if self.top_k < 0:
@@ -64,7 +70,8 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1:
         sorted_p, order = torch.sort(p, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p          # mass strictly above each token
-        drop = before >= params.top_p                    # keep the smallest prefix reaching top_p (top-1 always)
+        drop = before >= params.top_p                    # keep the smallest prefix reaching top_p
+        drop[..., 0] = False                             # top-1 always (a top_p that float32 rounds to 0 too)
         p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         p = p / p.sum(-1, keepdim=True)
     return p

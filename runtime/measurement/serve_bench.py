@@ -12,6 +12,7 @@ chunked stalls them for all of it) and the long request's time to first token.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -27,8 +28,9 @@ from specrt.errors import InputError
 
 
 @contextmanager
-def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
-    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id)."""
+def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_s: float = 10):
+    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id). At the
+    end SIGTERM, and SIGKILL if it has not exited stop_s seconds later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,7 +54,7 @@ def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300):
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -148,33 +150,47 @@ def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int,
 
 
 def bench_serve(engines: Path, concurrency: list[int], method: str, requests: int, max_tokens: int,
-                threads: int | None, out: Path, log=print) -> dict:
+                threads: int | None, out: Path, log=print, replicas: list[int] | None = None) -> dict:
+    """The waves against one server; with `replicas`, against `specrt serve --replicas R` for each R in turn (each
+    replica --threads threads, default the cores divided among them), side by side."""
     from specrt.measurement.bench import load_prompts
     if not concurrency or min(concurrency) < 1:
         raise InputError(f"--concurrency {concurrency}: give positive numbers, e.g. 1,4,8")
+    if replicas is not None and (not replicas or min(replicas) < 1):
+        raise InputError(f"--replicas {replicas}: give positive numbers, e.g. 1,2")
     prompts = [p.text for p in load_prompts(None, requests) if p.text]
     prompts = (prompts * (requests // len(prompts) + 1))[:requests]
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    args = ["--max-batch", str(max(concurrency)), "--method", method] + (["--threads", str(threads)] if threads else [])
-    with server(engines, out / "server.log", *args) as (url, _):
-        stream_request(url, prompts[0], 8)   # warm-up: first passes, cost measurements
-        for c in sorted(set(concurrency)):
-            log(f"concurrency {c}: {requests} requests of {max_tokens} tokens ({method}) ...")
-            results.append(wave(url, prompts, c, max_tokens))
-            r = results[-1]
-            log(f"  {r['tokens_per_s']:.1f} tok/s, time to first token mean {1e3 * r['ttft_mean_s']:.0f} ms "
-                f"(max {1e3 * r['ttft_max_s']:.0f} ms), {r['wall_s']:.1f} s")
+    for count in replicas or [None]:
+        args = ["--max-batch", str(max(concurrency)), "--method", method]
+        if count is not None:
+            args += ["--replicas", str(count), "--threads", str(threads or max(1, (os.cpu_count() or 1) // count))]
+        elif threads:
+            args += ["--threads", str(threads)]
+        with server(engines, out / f"server{'' if count is None else f'-{count}'}.log", *args, stop_s=60) as (url, _):
+            for _ in range(count or 1):   # warm-up of each replica: first passes, cost measurements
+                stream_request(url, prompts[0], 8)
+            for c in sorted(set(concurrency)):
+                label = "" if count is None else f"{count} replica{'s' if count > 1 else ''}, "
+                log(f"{label}concurrency {c}: {requests} requests of {max_tokens} tokens ({method}) ...")
+                results.append({**({} if count is None else {"replicas": count}), **wave(url, prompts, c, max_tokens)})
+                r = results[-1]
+                log(f"  {r['tokens_per_s']:.1f} tok/s, time to first token mean {1e3 * r['ttft_mean_s']:.0f} ms "
+                    f"(max {1e3 * r['ttft_max_s']:.0f} ms), {r['wall_s']:.1f} s")
     base = next((r["tokens_per_s"] for r in results if r["concurrency"] == 1), None)
     for r in results:
         r["speedup_vs_one_at_a_time"] = r["tokens_per_s"] / base if base else None
     report = {"engines": str(engines), "method": method, "max_tokens": max_tokens, "results": results}
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
+    head = "| replicas " if replicas else ""
     lines = [f"# Serving: {method}, {requests} requests of {max_tokens} tokens (greedy, MT-Bench chat prompts)", "",
-             "| concurrency | tok/s | × one at a time | TTFT mean (ms) | TTFT max (ms) |", "|---|---|---|---|---|"]
+             f"{head}| concurrency | tok/s | × one at a time | TTFT mean (ms) | TTFT max (ms) |",
+             "|---" * (6 if replicas else 5) + "|"]
     for r in results:
         ratio = f"{r['speedup_vs_one_at_a_time']:.2f}" if r["speedup_vs_one_at_a_time"] else "-"
-        lines.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | {1e3 * r['ttft_mean_s']:.0f} | "
+        first = f"| {r['replicas']} " if replicas else ""
+        lines.append(f"{first}| {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | {1e3 * r['ttft_mean_s']:.0f} | "
                      f"{1e3 * r['ttft_max_s']:.0f} |")
     rounds = results[-1]["batch_rounds"] if results else None
     if rounds:

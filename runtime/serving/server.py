@@ -8,14 +8,17 @@ joining request's prompt is prefilled in chunks (--prefill-chunk tokens), one ch
 running batch, so that a long prompt does not stall the streams already running (chunked prefill). A
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
 thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
-(a stream: an error chunk, then [DONE]) and the next batch starts afresh. On SIGTERM (or Ctrl-C) the running
-requests get SHUTDOWN_GRACE_S seconds to finish, then end with an error.
+(a stream: an error chunk, then [DONE]) and the next batch starts afresh; a prefill pass that fails answers its own
+request alone. On SIGTERM (or Ctrl-C) the running requests get SHUTDOWN_GRACE_S seconds to finish, then end with an
+error. Limits (an API key, a bound on waiting requests, a time limit per request, a body size limit) and Prometheus
+metrics (/metrics, specrt.serving.metrics) are the app's; specrt.serving.replicas runs it in Ray Serve replicas.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import copy
+import hmac
 import json
 import logging
 import threading
@@ -31,7 +34,8 @@ from typing import Annotated, Literal
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 import torch
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,7 +45,8 @@ from specrt.errors import InputError, SpecrtError
 from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
 from specrt.decoding.run import MODEL_FREE
-from specrt.decoding.sampling import ACCEPTANCE
+from specrt.decoding.sampling import ACCEPTANCE, SamplingParams
+from specrt.serving.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("specrt.serving.server")
 
@@ -96,6 +101,33 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every answer that is not a 200."""
+    error: ErrorDetail
+
+
+ERRORS = {   # the statuses the API answers besides 200 (the OpenAPI document lists them)
+    400: "Bad input: malformed JSON, a field's value, an unknown method, a prompt that does not fit.",
+    401: "No valid API key (the server runs with --api-key).",
+    404: "An unknown model.",
+    413: "A body larger than --max-body-bytes.",
+    429: "More requests waiting for a row than --max-waiting.",
+    500: "The request failed in the engines (the server keeps serving).",
+    503: "The server is shutting down, or gave no token within --request-timeout.",
+}
+
+
+def _errors(*statuses: int) -> dict:
+    return {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
 
 
 class APIError(Exception):
@@ -176,6 +208,7 @@ class Job:
     gone: threading.Event = field(default_factory=threading.Event)   # the request has ended: free its rows
     texts: list = field(default_factory=list)
     arrived: float = 0.0               # when the scheduler got it (time.perf_counter())
+    deadline: float = float("inf")     # when its time is up (--request-timeout), on the same clock
     latency: list = field(default_factory=list)   # a Latency per sequence
 
     @property
@@ -218,8 +251,11 @@ class Scheduler:
     runs one prefill chunk of the oldest joining job and one round of the live rows in turn, hands each job its
     new tokens and retires finished rows."""
 
-    def __init__(self, gen: Generator, capacity: int, measure: bool = False):
+    def __init__(self, gen: Generator, capacity: int, measure: bool = False, metrics: Metrics | None = None,
+                 max_waiting: int | None = None, timeout: float | None = None):
         self.gen, self.capacity, self.measure = gen, capacity, measure
+        self.max_waiting, self.timeout = max_waiting, timeout
+        self.metrics = metrics or Metrics("", lambda: len(self.waiting))
         self.waiting: collections.deque[Job] = collections.deque()
         self.ready = threading.Condition()
         self.batch: Batch | None = None
@@ -236,7 +272,12 @@ class Scheduler:
             if self.stopped:
                 job.put(_shutting_down())
                 return
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise APIError(429, f"{len(self.waiting)} requests are waiting for a row already (--max-waiting "
+                                    f"{self.max_waiting}): send it again later", code="too_many_requests")
             job.arrived = time.perf_counter()
+            if self.timeout is not None:
+                job.deadline = job.arrived + self.timeout
             self.waiting.append(job)
             self.ready.notify()
 
@@ -269,6 +310,7 @@ class Scheduler:
             for n in sizes:
                 self.gen.costs(n, draft=False)   # a draft request times the draft's step itself
         while True:
+            self.metrics.running.set(self.taken)
             with self.ready:
                 while self.deadline is None and not self.waiting and not self.taken:
                     self.ready.wait()
@@ -277,17 +319,37 @@ class Scheduler:
                     self._end_all()
                     return
                 admit = self._admissible()
+                self._expire()
             try:
                 for job in admit:
                     self._admit(job)
-                if self.batch is not None and self.batch.prefill() is not None:   # its first tokens now
-                    self._dispatch()
+                self._prefill()
                 if self.live:
                     self.batch.step()
                     self._dispatch()
             except Exception as e:   # noqa: BLE001 -- every request of the batch gets it; the server goes on
                 log.exception("a round failed; its requests are answered with the error")
                 self._fail(e)
+
+    def _prefill(self) -> None:
+        """The next prefill pass of the oldest joining job; after its last pass its rows take their first tokens.
+        A pass that fails before its rows join answers that job alone: it leaves the queue, and its row, which no
+        round reads, is free again."""
+        batch = self.batch
+        if batch is None or not batch.joining:
+            return
+        joining, rows = batch.joining[0], len(batch.run.rows)
+        try:
+            out = batch.prefill()
+        except Exception as e:   # noqa: BLE001 -- answered to its request; the rows that ran go on
+            if len(batch.run.rows) != rows:   # it failed while its rows joined: the batch's state is in doubt
+                raise
+            log.exception("a prefill failed; its request is answered with the error")
+            batch.joining.remove(joining)
+            joining.owners[0][0].put(e)
+            return
+        if out is not None:   # its first tokens now
+            self._dispatch()
 
     def _admissible(self) -> list[Job]:
         """Waiting jobs that join now: from the oldest, while they match the batch and fit. Once a batch has
@@ -303,6 +365,22 @@ class Scheduler:
             admit.append(job)
         return admit
 
+    def _expire(self) -> None:
+        """--request-timeout: the rows of requests whose time is up stop now (their answers end with finish reason
+        "length"); requests whose time is up before their first token (waiting, or prefilling) get an error."""
+        if self.timeout is None:
+            return
+        now = time.perf_counter()
+        late = [job for job in self.waiting if job.deadline <= now]
+        if self.batch is not None:
+            late += [j.owners[0][0] for j in self.batch.joining if j.owners[0][0].deadline <= now]
+            self.batch.cancel(lambda owner: owner[0].deadline <= now, reason="time_limit")
+        for job in late:
+            if job in self.waiting:
+                self.waiting.remove(job)
+            job.put(APIError(503, f"no token within the server's time limit of {self.timeout:g} s a request "
+                                  "(--request-timeout): it is busy; send it again later", code="timeout"))
+
     def _admit(self, job: Job) -> None:
         """The job queues to join the batch (a new one if none runs); its prefill passes come between rounds. A
         request the batch refuses is answered with the error (an InputError is a 400) and leaves nothing behind."""
@@ -316,6 +394,7 @@ class Scheduler:
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                             copies=job.copies)
+            self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
 
@@ -346,7 +425,11 @@ class Scheduler:
             job, index = row.owner
             ids = run.new_tokens(b)
             if ids:
-                job.latency[index].handed(now, len(ids))
+                latency = job.latency[index]
+                first = latency.first is None
+                self.metrics.handed(batch.method, len(ids), now - job.arrived if first else None,
+                                    None if first else now - latency.last)
+                latency.handed(now, len(ids))
                 job.put(("tokens", index, ids, job.texts[index].feed(ids)))
         batch.cancel(lambda owner: owner[0].gone.is_set())
         for row, tokens in batch.retire():
@@ -354,8 +437,12 @@ class Scheduler:
             if row.stop_reason == "cancelled":
                 log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
                          "string)", len(tokens))
+            elif row.stop_reason == "time_limit":
+                log.info("generation stopped after %d tokens: the request's time is up (--request-timeout %g s)",
+                         len(tokens), self.timeout)
             stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
                      **job.latency[index].stats(job.arrived)}
+            self.metrics.ended(batch.method, stats, time.perf_counter() - job.arrived)
             job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
@@ -365,7 +452,8 @@ class Scheduler:
 class Server:
     """One generator, its scheduler, the answers."""
 
-    def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8):
+    def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
+                 max_waiting: int | None = None, request_timeout: float | None = None):
         self.gen, self.model_name = gen, model_name
         self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
         if method not in self.methods:
@@ -380,7 +468,9 @@ class Server:
         # the most characters a prompt that fits can have: every token covers at most the longest token's
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive")
+        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting))
+        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
+                                   max_waiting=max_waiting, timeout=request_timeout)
 
     async def call(self, fn: Callable, *args):
         """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
@@ -449,8 +539,12 @@ class Server:
             raise APIError(400, f"n {req.n}: this server decodes at most {self.scheduler.capacity} sequences at once "
                                 f"(--max-batch {self.scheduler.capacity}): ask for n <= {self.scheduler.capacity} in "
                                 "each request, or serve with a larger --max-batch", "n")
-        return dict(max_new_tokens=max_tokens or self.max_len - len(ids),
-                    temperature=1.0 if req.temperature is None else req.temperature,
+        temperature = 1.0 if req.temperature is None else req.temperature
+        try:
+            SamplingParams(temperature)   # what the schema cannot say: too small to divide by
+        except InputError as e:
+            raise APIError(400, str(e), "temperature") from e
+        return dict(max_new_tokens=max_tokens or self.max_len - len(ids), temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
                     method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
                     adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance)
@@ -480,23 +574,35 @@ class Server:
         finally:
             job.gone.set()
 
+    def method_run(self, options: dict) -> str:
+        """The method a request runs (`auto` resolved as its batch resolves it)."""
+        return self.gen.method_for(options["method"], greedy=options["temperature"] == 0)[0]
+
     async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
-        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None)."""
-        text, events = StopText(stops), self.events(ids, options, 1)
+        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None). Its
+        finish reason is counted (abort: left before its end)."""
+        text, events, end = StopText(stops), self.events(ids, options, 1), "abort"
         try:
             async for kind, _, *rest in events:
                 if kind == "tokens":
                     new_ids, new = rest
                     new, stopped = text.feed(new or "")
+                    end = "stop" if stopped else end
                     yield new, new_ids, "stop" if stopped else None, None
                     if stopped:
                         return
                 else:
                     reason, tail, stats = rest
                     new, stopped = text.feed(tail or "")
-                    yield (new if stopped else new + text.flush()), [], "stop" if stopped else _finish(reason), stats
+                    end = "stop" if stopped else _finish(reason)
+                    yield (new if stopped else new + text.flush()), [], end, stats
                     return
+        except Exception as e:
+            end = "error" if _answer(e).status >= 500 else None   # a refused request (400, 429) never ran
+            raise
         finally:
+            if end is not None:
+                self.metrics.finish(self.method_run(options), end)
             await events.aclose()
 
     async def answer(self, req: _Request, ids: list[int], options: dict, chat: bool):
@@ -517,6 +623,7 @@ class Server:
                 text = StopText(stops)
                 cut, stopped = text.feed("".join(texts[i]))
                 reason = "stop" if stopped else _finish(ends[i][0])
+                self.metrics.finish(ends[i][1]["method"], reason)
                 choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens))),
@@ -603,9 +710,75 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
 
 # ---- the app -------------------------------------------------------------------------------------------------------
 
+# a completion's answers: JSON, or server-sent events when streamed (each event's data: a chunk in OpenAI's format,
+# an error object, or [DONE]); errors
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+ANSWERS = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+           **_errors(400, 401, 404, 413, 429, 500, 503)}
 
-def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8) -> FastAPI:
-    server = Server(gen, model_name, method, max_batch)
+MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes (--max-body-bytes): shorten it"
+
+
+class Guard:
+    """ASGI middleware in front of the app: the API key (`Authorization: Bearer KEY`, compared in constant time;
+    every path but /health) and the request body's size limit (413), before anything reads the body."""
+
+    def __init__(self, app, api_key: str | None = None, max_body: int = MAX_BODY_BYTES):
+        self.app, self.max_body = app, max_body
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] != "/health" and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            response = APIError(401, "no valid API key: send the server's key as `Authorization: Bearer KEY` (the "
+                                     "openai client's api_key)", code="invalid_api_key").response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body:
+            return await APIError(413, _too_large(self.max_body)).response()(scope, receive, send)
+        read = 0
+
+        async def limited():   # a body without Content-Length (chunked) is counted as it comes
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_body:
+                raise HTTPException(413, _too_large(self.max_body))   # answered by the app's handler
+            return message
+
+        await self.app(scope, limited, send)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Who may call and how much (`specrt serve`'s --api-key, --max-waiting, --request-timeout, --max-body-bytes)."""
+    api_key: str | None = None          # requests must carry `Authorization: Bearer KEY` (all paths but /health)
+    max_waiting: int | None = None      # requests waiting for a row beyond this get a 429 (None: no bound)
+    request_timeout: float | None = None   # seconds from a request's arrival to its end (None: no limit)
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __post_init__(self):
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise InputError(f"max waiting {self.max_waiting}: must be at least 1 (or none: no bound)")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise InputError(f"request timeout {self.request_timeout}: must be more than 0 seconds")
+        if self.max_body_bytes < 1:
+            raise InputError(f"max body bytes {self.max_body_bytes}: must be at least 1")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InputError("API key: empty; give a key, or leave --api-key and SPECRT_API_KEY unset")
+
+
+def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
+               limits: Limits = Limits()) -> FastAPI:
+    server = Server(gen, model_name, method, max_batch, limits.max_waiting, limits.request_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -614,6 +787,8 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
     app = FastAPI(title="specrt", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(Guard, api_key=limits.api_key, max_body=limits.max_body_bytes)
+    app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(Exception)   # APIError, InputError (400), any other (500): an OpenAI error object
     @app.exception_handler(APIError)
@@ -644,13 +819,18 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
                 **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
                    if cache is not None else {})}
 
-    @app.get("/v1/models")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(401))
+    async def metrics():
+        """Prometheus' text format (see specrt.serving.metrics)."""
+        return PlainTextResponse(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": 0, "owned_by": "specrt",
             "specrt": {"methods": server.methods, "default_method": server.method, "max_seq_len": server.max_len}}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ANSWERS)
     async def completions(req: CompletionRequest):
         server.check_model(req.model)
         if isinstance(req.prompt, str):
@@ -658,7 +838,7 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         ids = await server.call(server.completion_ids, req.prompt)
         return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens), chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat_completions(req: ChatRequest):
         server.check_model(req.model)
         server.check_chars(sum(len(m.role) + (len(m.content) if isinstance(m.content, str) else
@@ -671,10 +851,23 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
     return app
 
 
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document without its 422 (a body that does not validate is a 400 here, OpenAI's way)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
-          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, datastore: str | Path | None = None,
-          suffix_cache_mb: float | None = None) -> None:
+          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
+          datastore: str | Path | None = None, suffix_cache_mb: float | None = None) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
     `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
     outputs (see SuffixCache)."""
@@ -682,7 +875,7 @@ def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_
                                  datastore=datastore)
     if suffix_cache_mb is not None:
         gen.suffix_cache = SuffixCache(suffix_cache_mb)
-    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch)
+    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
     # uvicorn's own limit, should a request not end when the scheduler ends it

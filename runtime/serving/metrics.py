@@ -1,0 +1,89 @@
+"""A server's Prometheus metrics (`GET /metrics`), named as vLLM's and llama.cpp's servers name theirs, with the
+prefix `specrt:`, so that the dashboards and autoscalers written for them read these.
+
+Each server has a registry of its own (not prometheus_client's global one): several servers in one process (tests,
+replicas) count apart. Counters and histograms carry the labels `model_name` and `method` (the method a request ran:
+`auto` resolved); the gauges `model_name`. The speculative-decoding counters and the token counts are added when a
+sequence ends (the figures of its `specrt` stats), so that they equal the sums of the answers' figures.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "specrt:"
+# seconds: time to first token, end-to-end and queue time (vLLM's buckets, cut at 10 min)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# seconds between two hand-outs of tokens to one sequence (a round: one or more tokens)
+GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")   # abort: the client left; error: the request failed
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # the text format every Prometheus reads
+
+
+class Metrics:
+    """The counters, histograms and gauges of one server (model_name: its model id)."""
+
+    def __init__(self, model_name: str, waiting: Callable[[], float]):
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        labels = ["model_name", "method"]
+
+        def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry)
+
+        self.drafts = counter("spec_decode_num_drafts", "Rounds that proposed draft tokens, summed over sequences.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (a tree: its nodes).")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0: the first).", ("position",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = counter("request_success", "Finished sequences by finish reason (a request's choices "
+                                                   "each).", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "From a request's arrival at the scheduler to its "
+                                                             "first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Between two hand-outs of tokens to a sequence.",
+                             GAP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "From a sequence's arrival at the scheduler to its end.",
+                             LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "From a request's arrival at the scheduler to its "
+                                                             "admission into the batch.", LATENCY_BUCKETS)
+        self.running = Gauge(PREFIX + "num_requests_running", "Rows live or being prefilled.", ["model_name"],
+                             registry=registry).labels(model_name)
+        gauge = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a row.", ["model_name"],
+                      registry=registry).labels(model_name)
+        gauge.set_function(waiting)
+
+    def admitted(self, method: str, prompt_tokens: int, queued_s: float) -> None:
+        self.prompt_tokens.labels(self.model_name, method).inc(prompt_tokens)
+        self.queue.labels(self.model_name, method).observe(queued_s)
+
+    def handed(self, method: str, tokens: int, first_s: float | None, gap_s: float | None) -> None:
+        """Tokens handed to a sequence: its first (first_s after its arrival), or gap_s after the previous ones."""
+        self.generation_tokens.labels(self.model_name, method).inc(tokens)
+        if first_s is not None:
+            self.ttft.labels(self.model_name, method).observe(first_s)
+        if gap_s is not None:
+            self.itl.labels(self.model_name, method).observe(gap_s)
+
+    def ended(self, method: str, stats: dict, e2e_s: float) -> None:
+        """A sequence ended: its speculative-decoding figures (Batch.row_stats) and its time."""
+        labels = (self.model_name, method)
+        self.drafts.labels(*labels).inc(stats["drafts"])
+        self.draft_tokens.labels(*labels).inc(stats["draft_tokens"])
+        self.accepted_tokens.labels(*labels).inc(stats["accepted_tokens"])
+        for position, n in enumerate(stats["accepted_per_position"]):
+            self.accepted_per_pos.labels(*labels, str(position)).inc(n)
+        self.e2e.labels(*labels).observe(e2e_s)
+
+    def finish(self, method: str, reason: str) -> None:
+        self.finished.labels(self.model_name, method, reason).inc()
+
+    def exposition(self) -> bytes:
+        """The text format of all of them (GET /metrics)."""
+        return generate_latest(self.registry)
