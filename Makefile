@@ -13,7 +13,8 @@ MEDUSA ?= export/drafters/smollm2-135m-medusa
 EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle eagle-traces gpu-check check-large
+.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle eagle-traces gpu-check check-large \
+        datastore-stdlib datastore-distill
 .DELETE_ON_ERROR:
 
 help:
@@ -27,6 +28,8 @@ help:
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make eagle-traces  record the EAGLE drafter's acceptance that gpu-check projects its speedup from"
+	@echo "make datastore-stdlib / datastore-distill  --method rest's datastores: Python's standard library, or the"
+	@echo "             target's own answers of make train-data (docs/model-free.md)"
 
 # What specrt needs to export, build, generate and serve; the test suite's extras on top (make demo skips them).
 $(STAMP): pyproject.toml
@@ -121,6 +124,20 @@ train-eagle: train-data
 eagle-traces: engines
 	$(PY) -m specrt.measurement.projection $(ENGINES) --out $(EAGLE)/rounds_t0.json.gz
 	$(PY) -m specrt.measurement.projection $(ENGINES) --temperature 0.7 --out $(EAGLE)/rounds_t07.json.gz
+
+# Datastores for --method rest (docs/model-free.md): the standard library's Python sources (~3 M tokens, 23 MB, under a
+# minute on 2 cores), and the target's own chat answers of `make train-data` (self-distillation, prompts never from
+# the MT-Bench dev set).
+DATASTORES := build/datastores
+STDLIB_EXCLUDE := --exclude test --exclude tests --exclude idlelib --exclude lib2to3 --exclude turtledemo \
+                  --exclude pydoc_data --exclude ensurepip
+
+datastore-stdlib: $(ENGINES)/manifest.json
+	$(SPECRT) datastore build "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+	    $(STDLIB_EXCLUDE) --engines $(ENGINES) --out $(DATASTORES)/stdlib --force
+
+datastore-distill: train-data $(ENGINES)/manifest.json
+	$(SPECRT) datastore build $(DISTILL)/data.jsonl --engines $(ENGINES) --out $(DATASTORES)/distill --force
 
 clean:
 	rm -rf $(VENV) engines/default

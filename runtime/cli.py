@@ -13,7 +13,7 @@ from specrt.export.train.run import KINDS
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
-METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle"]
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]
 TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
                    "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
                    "target's own sampling (--acceptance exact, the default, is)")
@@ -146,6 +146,10 @@ def _prefill_chunk_option():
 
 
 prefill_chunk_option = _prefill_chunk_option()
+datastore_option = click.option(
+    "--datastore", default=None, type=click.Path(exists=True, file_okay=False),
+    help="rest: a datastore of `specrt datastore build` (made with this engine set's tokenizer) that drafts are "
+         "looked up in, beside the text itself.")
 
 
 def sampling_options(f):
@@ -173,6 +177,7 @@ def sampling_options(f):
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--threads", default=None, type=int, help="Engine threads (default: all cores)."),
         prefill_chunk_option,
+        datastore_option,
     ]):
         f = opt(f)
     return f
@@ -188,7 +193,8 @@ def sampling_options(f):
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one sequence, not with --json).")
 @sampling_options
 def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream, max_new_tokens, temperature, top_k,
-             top_p, seed, method, tree, tree_choices, gamma, adaptive, acceptance, device, threads, prefill_chunk):
+             top_p, seed, method, tree, tree_choices, gamma, adaptive, acceptance, device, threads, prefill_chunk,
+             datastore):
     """Generate from ENGINES."""
     from specrt.decoding.generate import Generator
     if stream and (as_json or num_return_sequences > 1 or len(prompt) > 1):
@@ -201,7 +207,8 @@ def generate(engines, prompt, prompt_ids, num_return_sequences, as_json, stream,
     if acceptance == "typical" and temperature > 0:
         _log(TYPICAL_WARNING)
     try:
-        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
+        gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
+                                     datastore=datastore)
         if stream:
             printed = 0
             for chunk in gen.stream(prompt, _parse_ids(prompt_ids), **options):   # click.echo flushes
@@ -241,9 +248,10 @@ def _summary(s: dict) -> None:
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle"]), default="draft",
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "rest"]), default="draft",
               show_default=True)
 @click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
+@datastore_option
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")
 @click.option("--samples", default=2000, show_default=True,
@@ -257,8 +265,8 @@ def _summary(s: dict) -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @acceptance_option(" verify checks exact acceptance only: typical is refused.")
-def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p, gamma,
-           alpha, seed, device, acceptance):
+def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, samples, depth, temperature, top_k, top_p,
+           gamma, alpha, seed, device, acceptance):
     """Check on ENGINES that METHOD keeps the target's output: greedy token-identical, sampled distribution
     identical (chi-square against the exact target distribution; p-values printed).
 
@@ -274,7 +282,7 @@ def verify(engines, method, tree, num_prompts, max_new_tokens, samples, depth, t
                                "(it accepts any draft the target finds likely enough), so it cannot pass this check "
                                "of the target's output; verify checks --acceptance exact, the default")
     try:
-        gen = Generator.from_engines(engines, device=device)
+        gen = Generator.from_engines(engines, device=device, datastore=datastore)
         n = max(num_prompts, 1)   # the sampling check draws after the first prompt
         if gen.tokenizer is not None:
             prompts = [gen.encode(p.text) for p in load_prompts(None, n)]
@@ -491,8 +499,12 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
                    "RAY_ADDRESS set, else a local Ray instance.")
 @click.option("--autoscale", default=None, metavar="MIN:MAX",
               help="Instead of --replicas: between MIN and MAX replicas, Serve aiming at --max-batch requests each.")
+@datastore_option
+@click.option("--suffix-cache", "suffix_cache_mb", default=None, type=click.FloatRange(0.001),
+              help="Suffix decoding: keep the outputs of finished requests (token ids) in an index of this many MB, "
+                   "the oldest leaving first, that later rest requests draft from beside their own prompt.")
 def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
-          request_timeout, max_body_bytes, replicas, autoscale):
+          request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -505,10 +517,14 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
     try:
         limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
         if replicas is not None or autoscale is not None:
+            if datastore is not None or suffix_cache_mb is not None:
+                raise click.UsageError("--datastore and --suffix-cache are for one server process: Ray Serve "
+                                       "replicas do not take them yet (drop --replicas/--autoscale)")
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
                             limits, replicas, autoscale)
             return
-        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits)
+        run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
+            suffix_cache_mb)
     except SpecrtError as e:
         _fail(e)
 
@@ -585,6 +601,35 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
     try:
         run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo,
             replicas=counts)
+    except SpecrtError as e:
+        _fail(e)
+
+
+@main.group()
+def datastore():
+    """Datastores for --method rest: a corpus tokenized and indexed for longest-suffix lookup."""
+
+
+@datastore.command("build")
+@click.argument("corpus", nargs=-1, required=True, type=click.Path())
+@click.option("--engines", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The engine set whose tokenizer the corpus is tokenized with (only it can use the datastore).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The datastore directory to write.")
+@click.option("--exclude", multiple=True, help="Folders or files under a CORPUS directory to leave out (a glob on "
+              "the name, e.g. test; repeatable).")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a datastore, once the new one is complete.")
+def datastore_build(corpus, engines, out, exclude, force):
+    """Tokenize CORPUS (text files, .py files, JSONL rows of {"text": ...}, {"messages": [...]} or {"ids": [...]};
+    a directory: its .txt, .md, .rst, .py and .jsonl files) and write its suffix array, memory-mapped at use.
+
+    \b
+    Example:
+      specrt datastore build $(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])') \\
+          --exclude test --exclude idlelib --engines engines/default --out build/datastores/stdlib
+      specrt generate engines/default --method rest --datastore build/datastores/stdlib --prompt "def parse(" """
+    from specrt.decoding.datastore import build
+    try:
+        build(corpus, engines, out, force=force, exclude=exclude, log=_log)
     except SpecrtError as e:
         _fail(e)
 

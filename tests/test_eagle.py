@@ -285,6 +285,33 @@ def test_lookup_keeps_greedy_output(eagle_pair, monkeypatch, adaptive):
     assert added[2] > 0                    # some rounds verified chains alone
 
 
+def test_datastore_chains_keep_greedy_output_and_the_target_distribution(eagle_pair, monkeypatch, tmp_path):
+    """A datastore of the target's own text (rest's) gives EAGLE's trees a chain where the text has no match: some of
+    its nodes are verified and accepted, greedy output stays the target's, and sampling keeps the target's law."""
+    import json
+    from specrt.decoding import datastore as ds
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=2, depth=3, nodes=6)
+    rows = [{"ids": gen.generate(prompt_ids=[s, (3 * s) % V], max_new_tokens=30, temperature=1.0, seed=s,
+                                 method="autoregressive").token_ids[0]} for s in range(V)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds.build([tmp_path / "corpus.jsonl"], gen.directory, tmp_path / "store", progress=False)
+    monkeypatch.setattr(gen, "datastore", None)
+    gen.use_datastore(tmp_path / "store")
+    monkeypatch.setattr(eagle.PromptLookup, "max_n", 0)   # no match in the text: every chain is the datastore's
+    added = count_lookup_nodes(monkeypatch)
+    prompts = [[5, 1, 7, 2], [11, 3, 9, 4]]
+    for p in prompts:
+        ref = gen.generate(prompt_ids=p, max_new_tokens=20, method="autoregressive").token_ids[0]
+        out = gen.generate(prompt_ids=p, max_new_tokens=20, method="eagle", adaptive=False)
+        assert_same_or_tie(out.token_ids[0], ref, p, model)
+    assert added[0] > 0 and added[1] > 0
+    out = sample_first3(gen, [5, 1, 7], "eagle", None, seed=5, temperature=1.0)
+    p = chi_square_p(out.token_ids, exact_joint(model, [5, 1, 7], SamplingParams(temperature=1.0)))
+    print(f"eagle with datastore chains: chi-square p = {p:.4f}, {added[0]} chain nodes, {added[1]} accepted")
+    assert p > P_MIN
+
+
 def test_lookup_chain_follows_the_candidates():
     """The chain walks the drafter's candidates while its tokens are there (raising their scores to its own where
     higher), then adds nodes as the last siblings; a row without a match adds nothing, and the other rows get a

@@ -216,6 +216,10 @@ class Batch:
             return []
         done = [b for b, a in enumerate(active) if not a]
         finished = [(run.rows[b], run.output(b)) for b in done]
+        if self.gen.suffix_cache is not None:   # suffix decoding: later requests draft from these outputs
+            for _, tokens in finished:
+                if len(tokens) > 1:
+                    self.gen.suffix_cache.add(tokens)
         live = [b for b in range(run.batch) if run.active[b]]
         n = len(live)
         hidden = run.hidden.clone()

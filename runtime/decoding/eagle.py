@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from specrt.decoding.datastore import best_chain
 from specrt.decoding.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
 from specrt.errors import InputError
 from specrt.decoding.sampling import top_k_in_place
@@ -87,11 +88,12 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, engine, timer, shape: DynamicTree = DynamicTree(), costs=None, output_ids=None,
-                 lookup: bool = True, chains: bool = False, figures: "Figures | None" = None):
+                 lookup: bool = True, chains: bool = False, figures: "Figures | None" = None, sources=()):
         self.engine, self.timer, self.shape, self.costs = engine, timer, shape, costs
         # what the rounds measure and the next request starts from (see Figures)
         self.figures = figures if figures is not None else Figures()
-        self.lookup = PromptLookup(self.figures.lookup) if lookup else None   # prompt lookup's chains
+        # prompt lookup's chains; where the text has no match, the stores' (`sources`: rest's datastore, suffix cache)
+        self.lookup = PromptLookup(self.figures.lookup, sources) if lookup else None
         self.chains = chains   # a chain per round (shape top_k 1): a row's lookup chain replaces the drafter's
         self.tree, self.span = shape.envelope, shape.span
         # the drafter's output ids: its logits' columns (`output_ids`, an engine that outputs only its kept ids),
@@ -460,13 +462,17 @@ class PromptLookup:
     (summaries, answers quoting a document, code edits) is what the drafter predicts worst and lookup best."""
     max_n, min_n = 3, 2
     FILLER = 0   # the token of a node another row's chain added (a proposal like any other: verified, lossless)
+    RETRIEVED = 0   # the rate key of the chains from `sources`
 
-    def __init__(self, sums: dict[int, list[float]] | None = None):
+    def __init__(self, sums: dict[int, list[float]] | None = None, sources=()):
         self.finder = NgramDrafter(self.max_n, self.min_n)
+        self.sources = list(sources)   # stores with lookup() (specrt.decoding.datastore), asked where the text fails
         # decayed accepted, offered per n (a Figures' lookup: updated in place)
         self.sums = sums if sums is not None else {}
         for n in range(self.min_n, self.max_n + 1):
             self.sums.setdefault(n, [1.0, 2.0])
+        if self.sources:
+            self.sums.setdefault(self.RETRIEVED, [1.0, 2.0])
         self._round: dict[int, tuple] = {}   # row -> (n, its chain's node ids in the tree)
         self._chains: dict[int, tuple] = {}  # row -> (n, its chain's paths), between add and offered
 
@@ -475,9 +481,16 @@ class PromptLookup:
         return accepted / offered
 
     def matches(self, run, live: np.ndarray, depth: int) -> dict[int, tuple[int, np.ndarray]]:
-        """Each live row's match: the suffix length n and at most `depth` tokens that followed (none: no match)."""
-        return {b: self.finder.match(run.host_tokens[b, :run.host_lengths[b]], depth)
-                for b in np.flatnonzero(live).tolist()}
+        """Each live row's match: the suffix length n and at most `depth` tokens that followed (none: no match); where
+        the text has none, the sources' most frequent continuation (n = RETRIEVED)."""
+        out = {}
+        for b in np.flatnonzero(live).tolist():
+            context = run.host_tokens[b, :run.host_lengths[b]]
+            out[b] = self.finder.match(context, depth)
+            if self.sources and not len(out[b][1]):
+                hit = best_chain(self.sources, context, depth)
+                out[b] = (self.RETRIEVED, hit) if len(hit) else out[b]
+        return out
 
     def add(self, run, paths: list, tokens: np.ndarray, scores: np.ndarray, live: np.ndarray, depth: int,
             limit: int, hits: dict | None = None):

@@ -23,8 +23,10 @@ from specrt.decoding.sampling import probs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 from specrt.decoding.batch import Batch, Detokenizer
-from specrt.decoding.run import (AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Chunk,  # noqa: F401
-                                 Generation, _Run)   # (AUTO .. PREFILL_CHUNK, Chunk, Generation: the public names)
+from specrt.decoding.datastore import Datastore, tokenizer_identity
+from specrt.decoding.rest import RestDrafter, RestShape
+from specrt.decoding.run import (AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, METHODS, MODEL_FREE, PREFILL_CHUNK,  # noqa: F401
+                                 Chunk, Generation, _Run)   # (AUTO .. PREFILL_CHUNK, Chunk, Generation: the public names)
 
 
 class Generator:
@@ -56,6 +58,9 @@ class Generator:
         self.tuning: tuning.Tuning | None = None             # this machine's, see start_warm
         self.untuned = "no tuning loaded"                    # why there is none
         self.machine: dict = {}                              # what timings depend on (tuning.machine)
+        self.datastore: Datastore | None = None              # --method rest's corpus (use_datastore)
+        self.suffix_cache = None                             # a SuffixCache: finished outputs go in, rest drafts
+        self.rest_shape = RestShape()                        # --method rest's trees at most
 
     def has(self, role: str) -> bool:
         """Whether the engine set has the drafter `role` ("draft", "medusa" or "eagle"), loaded or not."""
@@ -72,8 +77,10 @@ class Generator:
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                     warm: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> "Generator":
-        """`warm`: start from the engine set's tuning for this machine, if any (see start_warm)."""
+                     warm: bool = True, prefill_chunk: int = PREFILL_CHUNK,
+                     datastore: str | os.PathLike | None = None) -> "Generator":
+        """`warm`: start from the engine set's tuning for this machine, if any (see start_warm). `datastore`: a
+        directory of `specrt datastore build` for --method rest (see use_datastore)."""
         directory = Path(path)
         manifest = read_manifest(directory)
         models = manifest["models"]
@@ -106,9 +113,23 @@ class Generator:
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
         gen.machine, gen.untuned = machine, why if warm else "warm=False"
+        if datastore is not None:
+            gen.use_datastore(datastore)
         if tuned is not None and warm:
             gen.start_warm(tuned)
         return gen
+
+    def use_datastore(self, directory: str | os.PathLike) -> None:
+        """--method rest looks continuations up in this datastore (memory-mapped), besides each row's own text and
+        the suffix cache. One built with another tokenizer is refused (TokenizerMismatchError)."""
+        store = Datastore.open(directory)
+        store.check_tokenizer(tokenizer_identity(self.manifest), self.directory)
+        self.datastore = store
+
+    @property
+    def retrieval_sources(self) -> list:
+        """The stores that rest (and EAGLE's lookup chains, where the text has no match) draft from."""
+        return [s for s in (self.datastore, self.suffix_cache) if s is not None]
 
     def start_warm(self, tuned: tuning.Tuning) -> None:
         """Start from the engine set's tuning as from the last request of a warm process: its pass times (not
@@ -161,7 +182,7 @@ class Generator:
             return method, "request"
         if self.tuning is not None:
             chosen = self.tuning.methods.get("greedy" if greedy else "sampled")
-            if chosen in METHODS and (chosen in ("autoregressive", "ngram") or self.has(chosen)):
+            if chosen in METHODS and (chosen in MODEL_FREE or self.has(chosen)):
                 return chosen, "tuning"
         return tuning.rule(self), "rule"
 
@@ -347,6 +368,11 @@ class Generator:
             return None
         if method == "ngram":
             return NgramDrafter(ngram_max, ngram_min)
+        if method == "rest":
+            shape = self.rest_shape
+            sizing = (lambda n: self.costs(min(n, MAX_MEASURED_BATCH), upto=shape.nodes + 1, draft=False)) \
+                if adaptive else None
+            return RestDrafter(self.retrieval_sources, shape, sizing, chains=self.chains_only)
         if method == "medusa":
             chosen = self.tree_for("medusa", tree_choices)
             return MedusaDrafter(self.medusa, Tree.chain(chosen.max_depth) if self.chains_only else chosen,
@@ -355,7 +381,7 @@ class Generator:
             shape = self.eagle_shape()
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
-                                figures=figures)
+                                figures=figures, sources=self.retrieval_sources)
         if (tree or tree_choices is not None) and not self.chains_only:
             return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
         return DraftModelDrafter(self.draft, self._timed)

@@ -11,7 +11,8 @@ from specrt.decoding.drafters import PassInputs
 from specrt.decoding.sampling import SamplingParams
 
 
-METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle")
+METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle", "rest")
+MODEL_FREE = ("autoregressive", "ngram", "rest")   # the methods every engine set runs (no drafter engine)
 AUTO = tuning.AUTO   # the method the engine set's tuning chose for the regime, else tuning.rule's
 MAX_GAMMA = 8
 MAX_MEASURED_BATCH = 16   # larger batches speculate by the pass times measured at this size

@@ -56,6 +56,7 @@ class BenchConfig:
     compare: tuple[Path, ...] = ()       # other engine sets (an int4 target, say) whose methods run beside
     long_prompts: bool = False           # the packaged long prompts (2.6k-6.6k tokens) instead of MT-Bench
     acceptance: tuple[str, ...] = ("exact",)   # with "typical": each speculative method again at T > 0, typical
+    datastore: Path | None = None        # rest's datastore (specrt datastore build), for every engine set
 
 
 @dataclass
@@ -222,7 +223,8 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
         raise InputError(f"--acceptance {','.join(cfg.acceptance)}: choose exact, typical or exact,typical")
     prompts = load_prompts(cfg.prompts, cfg.num_prompts, LONG_PROMPTS if cfg.long_prompts else MT_BENCH)
     torch.set_num_threads(bench.info["threads"])
-    gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"])
+    gen = Generator.from_engines(cfg.engines, device=cfg.device, threads=bench.info["threads"],
+                                 datastore=cfg.datastore)
     methods = [m for m in cfg.methods if _runnable(gen, m, bench.notes)]
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")
@@ -245,10 +247,12 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
     bench.info.update(_floor(target), engines=str(cfg.engines),
                       prompts=str(cfg.prompts or ("long_prompts" if cfg.long_prompts else "mt_bench")),
                       target=models["target"]["source"], draft=models.get("draft", {}).get("source"),
-                      costs=_cost_entry(gen), compare=[])
+                      costs=_cost_entry(gen), compare=[],
+                      datastore=gen.datastore.manifest | {"directory": str(cfg.datastore)} if gen.datastore else None)
     others = []
     for directory in cfg.compare:
-        other = Generator.from_engines(directory, device=cfg.device, threads=bench.info["threads"])
+        other = Generator.from_engines(directory, device=cfg.device, threads=bench.info["threads"],
+                                       datastore=cfg.datastore)
         name = _system_name(other, [n for n, _, _ in others])
         if other.manifest["models"]["target"]["source"] != models["target"]["source"]:
             raise InputError(f"--compare {directory}: its target is {other.manifest['models']['target']['source']}, "
@@ -407,7 +411,8 @@ def _memory_available(notes: list[str]) -> bool:
 
 def _memory_specs(cfg: BenchConfig, s: _Setup, bench: Bench) -> list[dict]:
     common = {"engines": str(cfg.engines), "device": cfg.device, "threads": bench.info["threads"], "ids": s.ids,
-              "temperature": cfg.temperatures[0], "max_new": cfg.max_new_tokens, "seed": cfg.seed, "eos": s.eos}
+              "temperature": cfg.temperatures[0], "max_new": cfg.max_new_tokens, "seed": cfg.seed, "eos": s.eos,
+              "datastore": str(cfg.datastore) if cfg.datastore else None}
     systems = [("specrt", m) for m in s.methods] + [("transformers", p) for p in s.peers]
     specs = [{**common, "system": system, "method": method}
              for system, method in systems + ([LLAMACPP] if s.llamacpp else [])]
@@ -463,7 +468,8 @@ def _load_system(spec: dict):
     temp, new, eos, threads = spec["temperature"], spec["max_new"], spec["eos"], spec["threads"]
     torch.set_num_threads(threads)
     if spec["system"].startswith("specrt"):
-        gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads)
+        gen = Generator.from_engines(spec["engines"], device=spec["device"], threads=threads,
+                                     datastore=spec.get("datastore"))
         return lambda ids, seed: run_specrt(gen, ids, spec["method"], temp, new, seed)
     manifest = read_manifest(spec["engines"])
     models = manifest["models"]
@@ -521,9 +527,11 @@ def _csv(kind):
               help="Another engine set of the same target (e.g. built with --target-weights int4) whose methods run "
                    "beside ENGINES' in the same interleaved run, as system 'specrt int4' (repeatable). Speedups "
                    "stay against ENGINES' autoregressive.")
+@click.option("--datastore", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="rest: the datastore drafts are looked up in (specrt datastore build), for ENGINES and --compare.")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(engines, prompts, long_prompts, methods, temperatures, acceptance, max_new_tokens, num_prompts, gamma_sweep,
-          sweep_prompts, peers, llamacpp, memory, seed, threads, device, compare, out):
+          sweep_prompts, peers, llamacpp, memory, seed, threads, device, compare, datastore, out):
     """Benchmark specrt's methods (and transformers peers) on ENGINES; write results.json, report.md, plots."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -533,7 +541,7 @@ def bench(engines, prompts, long_prompts, methods, temperatures, acceptance, max
         raise click.UsageError("--prompts and --long-prompts: give one prompt set")
     cfg = BenchConfig(engines, prompts, methods, temperatures, max_new_tokens, num_prompts, gamma_sweep,
                       sweep_prompts, peers, out, seed, threads, device, llamacpp, memory, tuple(compare),
-                      long_prompts, acceptance)
+                      long_prompts, acceptance, datastore)
     console = Console(stderr=True)
     try:
         if max_new_tokens < 1 or num_prompts < 1:

@@ -42,7 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from specrt.errors import InputError, SpecrtError
+from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, METHODS, PREFILL_CHUNK, Batch, Detokenizer, Generator
+from specrt.decoding.run import MODEL_FREE
 from specrt.decoding.sampling import ACCEPTANCE, SamplingParams
 from specrt.serving.metrics import CONTENT_TYPE, Metrics
 
@@ -453,7 +455,7 @@ class Server:
     def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
                  max_waiting: int | None = None, request_timeout: float | None = None):
         self.gen, self.model_name = gen, model_name
-        self.methods = [AUTO] + [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
+        self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
         if max_batch < 1:
@@ -811,8 +813,11 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
     @app.get("/health")
     async def health():
+        cache = server.gen.suffix_cache
         return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
-                "waiting": len(server.scheduler.waiting)}
+                "waiting": len(server.scheduler.waiting),
+                **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
+                   if cache is not None else {})}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(401))
     async def metrics():
@@ -861,9 +866,15 @@ def _openapi(app: FastAPI) -> dict:
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
-          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits()) -> None:
-    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish)."""
-    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk)
+          max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
+          datastore: str | Path | None = None, suffix_cache_mb: float | None = None) -> None:
+    """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
+    `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
+    outputs (see SuffixCache)."""
+    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
+                                 datastore=datastore)
+    if suffix_cache_mb is not None:
+        gen.suffix_cache = SuffixCache(suffix_cache_mb)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
