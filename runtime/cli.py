@@ -556,7 +556,7 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--concurrency", default="1,2,4,8", show_default=True,
               help="Requests in flight at once, one wave each (comma-separated); 1 is the one-at-a-time baseline.")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle"]),
+@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]),
               default="autoregressive", show_default=True)
 @click.option("--requests", default=16, show_default=True, type=click.IntRange(1, 10000),
               help="Requests per wave (MT-Bench prompts, repeated if needed).")
@@ -577,14 +577,29 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
               help="The waves against `specrt serve --replicas R` for each R (comma-separated, e.g. 1,2), side by "
                    "side; each replica --threads threads (default: the cores divided among them). Needs the scale "
                    "extra.")
+@click.option("--repeat-with-suffix-cache", "suffix_cache", default=None, type=click.FloatRange(min=0.001),
+              metavar="MB", help="Instead of the waves: repeated traffic, the same requests sent twice (at the "
+              "largest --concurrency), against a server without and one with `--suffix-cache MB`; reports the "
+              "second pass's tokens/s with the cache against without (use --method rest or eagle).")
 def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
-                prefill_chunk, replicas):
+                prefill_chunk, replicas, suffix_cache):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
     batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
     streams delays them. Needs the serve extra."""
     from pathlib import Path
-    from specrt.measurement.serve_bench import bench_long_prompt, bench_serve as run
+    from specrt.measurement.serve_bench import bench_long_prompt, bench_repeated, bench_serve as run
+    if suffix_cache is not None:
+        try:
+            level = max(int(c) for c in concurrency.split(",") if c.strip())
+            bench_repeated(Path(engines), level, method, requests, max_tokens, threads, suffix_cache, Path(out),
+                           log=click.echo)
+        except ValueError:
+            raise click.BadParameter(f"{concurrency!r}: expected comma-separated integers, e.g. 1,4,8",
+                                     param_hint="--concurrency") from None
+        except SpecrtError as e:
+            _fail(e)
+        return
     if long_prompt is not None:
         try:
             bench_long_prompt(Path(engines), method, streams, max_tokens, threads, prefill_chunk, Path(out),

@@ -436,9 +436,9 @@ def measure_memory(spec: dict) -> dict:
 
 def _memory_child(spec: dict) -> dict:
     _import_code(spec)
-    base = rss.rss_bytes()
+    base = rss.rss_bytes(settled=True)
     run = _load_system(spec)
-    loaded = rss.rss_bytes()
+    loaded = rss.rss_bytes(settled=True)
     rss.reset_peak()
     tokens = sum(run(ids, spec["seed"] + i)["tokens"] for i, ids in enumerate(spec["ids"]))
     return {"tokens": tokens, "base_rss_bytes": base, "loaded_rss_bytes": loaded, "peak_rss_bytes": rss.peak_rss_bytes()}

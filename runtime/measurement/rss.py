@@ -18,8 +18,22 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{_STATUS} has no {field} line")
 
 
-def rss_bytes() -> int:
+def rss_bytes(settled: bool = False) -> int:
+    """The resident size; `settled`: after a garbage collection and glibc's malloc_trim, so that memory already
+    freed (say, by compiling modules imported for the first time) but still held by the allocator is not counted."""
+    if settled:
+        settle()
     return _status_bytes("VmRSS")
+
+
+def settle() -> None:
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
 
 
 def peak_rss_bytes() -> int:

@@ -149,6 +149,54 @@ def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int,
     return report
 
 
+def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, max_tokens: int,
+                   threads: int | None, suffix_cache_mb: float, out: Path, log=print) -> dict:
+    """Repeated traffic (agents and retries send the same requests again): one wave of `requests`, then the same
+    wave again, against a server without a suffix cache and one with `suffix_cache_mb`, side by side in one run;
+    the second pass's tokens/s and tokens a round with the cache against without, and the cache's size after."""
+    from specrt.measurement.bench import load_prompts
+    prompts = [p.text for p in load_prompts(None, requests) if p.text]
+    prompts = (prompts * (requests // len(prompts) + 1))[:requests]
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for cache in (None, suffix_cache_mb):
+        args = ["--max-batch", str(concurrency), "--method", method] + (["--threads", str(threads)] if threads else []) \
+            + ([] if cache is None else ["--suffix-cache", str(cache)])
+        with server(engines, out / f"server-{'cache' if cache else 'plain'}.log", *args) as (url, _):
+            stream_request(url, "Say hello.", 8)   # warm-up: first passes, cost measurements
+            for n in (1, 2):
+                log(f"{'suffix cache ' + str(cache) + ' MB' if cache else 'no suffix cache'}, pass {n}: {requests} "
+                    f"requests of {max_tokens} tokens ({method}, concurrency {concurrency}) ...")
+                began = time.perf_counter()
+                with ThreadPoolExecutor(concurrency) as pool:
+                    done = list(pool.map(lambda q: stream_request(url, q, max_tokens), prompts))
+                wall = time.perf_counter() - began
+                tokens = sum(d["tokens"] for d in done)
+                rounds = sum(d["stats"]["rounds"] for d in done if d["stats"] and d["stats"].get("rounds"))
+                results.append({"suffix_cache_mb": cache, "pass": n, "tokens": tokens, "wall_s": wall,
+                                "tokens_per_s": tokens / wall, "tokens_per_round": tokens / rounds if rounds else None})
+                log(f"  {tokens / wall:.1f} tok/s, {results[-1]['tokens_per_round'] or 0:.2f} tokens a round")
+            with urllib.request.urlopen(url + "/health", timeout=30) as r:
+                results[-1]["health"] = json.loads(r.read())
+    plain, cached = results[1], results[3]
+    ratio = cached["tokens_per_s"] / plain["tokens_per_s"]
+    report = {"engines": str(engines), "method": method, "concurrency": concurrency, "max_tokens": max_tokens,
+              "results": results, "second_pass_ratio": ratio}
+    (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
+    size = cached["health"].get("suffix_cache", {})
+    lines = [f"# Serving repeated traffic: {method}, {requests} requests of {max_tokens} tokens sent twice "
+             f"(greedy, MT-Bench chat prompts, concurrency {concurrency})", "",
+             "| suffix cache | pass | tok/s | tokens a round |", "|---|---|---|---|"]
+    lines += [f"| {r['suffix_cache_mb'] or 'none'}{' MB' if r['suffix_cache_mb'] else ''} | {r['pass']} | "
+              f"{r['tokens_per_s']:.1f} | {r['tokens_per_round'] or 0:.2f} |" for r in results]
+    lines += ["", f"Second pass with the cache: {ratio:.2f}× the second pass without. The cache after both passes: "
+              f"{size.get('outputs')} outputs, {size.get('tokens')} tokens, {size.get('bytes')} bytes "
+              f"(its bound: {suffix_cache_mb} MB)."]
+    (out / "serve_bench.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return report
+
+
 def bench_serve(engines: Path, concurrency: list[int], method: str, requests: int, max_tokens: int,
                 threads: int | None, out: Path, log=print, replicas: list[int] | None = None) -> dict:
     """The waves against one server; with `replicas`, against `specrt serve --replicas R` for each R in turn (each
