@@ -59,7 +59,10 @@ class Batch:
             self.policy = gen._gamma_policies[(method, regime)] = GammaPolicy(
                 self._chain_costs(1), MAX_GAMMA, prior_alpha=last.alpha if last else GammaPolicy.prior_alpha)
         self.trees = None
-        if self.tree is not None and adaptive:   # trees or plain steps: from what the last request measured
+        # trees or plain steps: from what the last request measured; a drafter that sizes each round's tree from
+        # this machine's costs and its own calibration, and takes plain steps itself where none pays (rest), is
+        # left to it (its rounds without a match would count as trees of one token and stop the trees for good)
+        if self.tree is not None and adaptive and not getattr(self.drafter, "sizes_itself", False):
             last = gen._tree_policies.get((method, regime)) or gen._tree_policies.get((method, params.greedy))
             self.trees = gen._tree_policies[(method, regime)] = last.following() if last else TreePolicy()
         self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)

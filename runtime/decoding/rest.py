@@ -13,8 +13,8 @@ measured pass times, with the loop's lossless tree rules. How well the estimates
 how long the match was (a one-token match in a corpus of code says little about a chat answer), so they are
 scaled per match length by what the rows' trees of that length accepted so far (drifting back to 1 while no tree
 is tried). Rounds without a match, or whose best tree is expected to give fewer tokens per second than a plain
-step, are plain steps, and Batch's TreePolicy
-turns to plain steps where trees stop paying as measured. A target that verifies chains only (int8 activations)
+step, are plain steps (Batch's TreePolicy is not used: the calibration per match length is what turns trees off
+where they stop paying). A target that verifies chains only (int8 activations)
 gets each row's chain of most frequent tokens.
 """
 from __future__ import annotations
@@ -56,6 +56,7 @@ class RestDrafter:
     row's own context. `costs` (live rows -> Costs) sizes each round's tree; None verifies every candidate."""
     name = "rest"
     FILLER = 0
+    sizes_itself = True   # each round's tree from the costs and the calibration, plain steps where none pays
 
     def __init__(self, sources=(), shape: RestShape = RestShape(), costs=None, chains: bool = False):
         self.sources, self.shape, self.costs, self.chains = list(sources), shape, costs, chains
