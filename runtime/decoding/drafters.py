@@ -76,6 +76,23 @@ class PassInputs:
             self.device.copy_(self.host_tensor, non_blocking=True)
 
 
+class RowlessDrafter:
+    """A drafter that keeps nothing per row: a prompt, a row's copies or a row moved in the batch need no work, and
+    (unless it overrides `observe`) neither does a round's outcome."""
+
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def join(self, run, row: int, copies: int) -> None:
+        pass
+
+    def move(self, src: int, dst: int, count: int) -> None:
+        pass
+
+    def observe(self, run) -> None:
+        pass
+
+
 class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
     least the first n−2−s tokens of a row of length n, where s counts the rounds it did not propose in since
@@ -196,7 +213,7 @@ class DraftModelDrafter:
                         self.valid[(B, gamma)], host=(drafts, [gamma] * B))
 
 
-class NgramDrafter:
+class NgramDrafter(RowlessDrafter):
     """Prompt lookup: the continuation that followed the most recent earlier occurrence of the last n tokens
     (n from `max_n` down to `min_n`). No model; the proposal is deterministic."""
 
@@ -204,18 +221,6 @@ class NgramDrafter:
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
-
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
-        pass
-
-    def join(self, run, row: int, copies: int) -> None:
-        pass
-
-    def move(self, src: int, dst: int, count: int) -> None:
-        pass
-
-    def observe(self, run) -> None:
-        pass
 
     def lookup(self, context: np.ndarray, gamma: int) -> np.ndarray:
         return self.match(context, gamma)[1]
@@ -245,7 +250,7 @@ class NgramDrafter:
                         None, torch.from_numpy(valid).to(run.device))
 
 
-class MedusaDrafter:
+class MedusaDrafter(RowlessDrafter):
     """Medusa heads on the target's hidden state at the last accepted position (and on the token the target
     chose there, the tree's root): head i's top-k are the candidates at depth i+1 of a fixed tree
     (deterministic proposals). Sequential heads run once per level: below each node that has children, head i
@@ -265,18 +270,6 @@ class MedusaDrafter:
         self.ranks = [max(r for d, r in self.slots if d == level) + 1 for level in range(1, tree.max_depth + 1)]
         self.buffers: dict[int, tuple] = {}   # the host path's, per batch size: roots, their numpy view, valid
         self.logits = self.host_logits = None  # the heads' output buffer and its numpy view
-
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
-        pass
-
-    def join(self, run, row: int, copies: int) -> None:
-        pass
-
-    def move(self, src: int, dst: int, count: int) -> None:
-        pass
-
-    def observe(self, run) -> None:
-        pass
 
     def propose(self, run, gamma: int) -> Proposal:
         tree, k = self.tree, self.tree.max_rank

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specrt.decoding.datastore import find_in
-from specrt.decoding.drafters import Proposal
+from specrt.decoding.drafters import Proposal, RowlessDrafter
 from specrt.decoding.eagle import DECAY, _best_size, tree_of
 from specrt.decoding.tree import Tree
 from specrt.errors import InputError
@@ -51,7 +51,7 @@ class RestShape:
                                [(r,) for r in range(1, self.nodes - self.depth + 1)])
 
 
-class RestDrafter:
+class RestDrafter(RowlessDrafter):
     """`sources`: stores with lookup(context, max_n, depth, limit) -> Match (a Datastore, a SuffixCache), beside the
     row's own context. `costs` (live rows -> Costs) sizes each round's tree; None verifies every candidate."""
     name = "rest"
@@ -64,15 +64,6 @@ class RestDrafter:
         # per match length (up to LONG): decayed drafts accepted by the rows, and what their estimates predicted
         self.calibration = {n: [1.0, 1.0] for n in range(1, self.LONG + 1)}
         self._pending = None            # per row of the last tree: (its match length, its estimates' sum)
-
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
-        pass
-
-    def join(self, run, row: int, copies: int) -> None:
-        pass
-
-    def move(self, src: int, dst: int, count: int) -> None:
-        pass
 
     LONG = 8   # match lengths from here on share one calibration
 
