@@ -517,11 +517,8 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
     try:
         limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
         if replicas is not None or autoscale is not None:
-            if datastore is not None or suffix_cache_mb is not None:
-                raise click.UsageError("--datastore and --suffix-cache are for one server process: Ray Serve "
-                                       "replicas do not take them yet (drop --replicas/--autoscale)")
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
-                            limits, replicas, autoscale)
+                            limits, replicas, autoscale, datastore, suffix_cache_mb)
             return
         run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
             suffix_cache_mb)
@@ -530,7 +527,7 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
 
 
 def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
-                    replicas, autoscale):
+                    replicas, autoscale, datastore, suffix_cache_mb):
     """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
     try:
         from specrt.serving.replicas import ReplicaConfig, run
@@ -548,7 +545,8 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
                                      param_hint="--autoscale")
     count = replicas or (bounds[1] if bounds else 1)
     threads = threads or max(1, (os.cpu_count() or 1) // count)
-    config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits)
+    config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
+                           suffix_cache_mb)
     run(config, host, port, replicas or 1, bounds)
 
 

@@ -20,11 +20,16 @@ pytest.importorskip("ray.serve", reason="the scale extra: pip install 'specrt[sc
 from specrt.serving.replicas import REPLICA_HEADER  # noqa: E402
 
 
+MAX_WAITING = 8   # requests the ingress holds for a replica with room
+
+
 @pytest.fixture(scope="module")
 def replicas(default_engines, tmp_path_factory):
-    """`specrt serve --replicas 2`: two replicas of the default engines, one engine thread each."""
+    """`specrt serve --replicas 2`: two replicas of the default engines, one engine thread each, each with a suffix
+    cache."""
     log = tmp_path_factory.mktemp("replicas") / "server.log"
     with server(default_engines, log, "--replicas", "2", "--threads", "1", "--method", "autoregressive",
+                "--max-waiting", str(MAX_WAITING), "--suffix-cache", "4",
                 wait_s=300, stop_s=60) as (url, pid):   # Serve and Ray take seconds to stop
         yield url, log
 
@@ -64,6 +69,23 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
     assert len(ties) <= 1, f"too many near ties to be chance: {ties}"
     served = {replica for _, replica in results}
     assert len(served) == 2, f"one replica served all 16 requests: {served}"
+    # one scrape counts both replicas (each sends its figures to the hub every second): the tokens each answered
+    tokens = {r: sum(len(ids_of(events)) for events, by in results if by == r) for r in served}
+    deadline = time.monotonic() + 20
+    while (counted := generated(url)) != tokens:
+        assert time.monotonic() < deadline, f"/metrics counts {counted}, the replicas answered {tokens}"
+        time.sleep(0.5)
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:   # the replica that answers keeps its outputs
+        assert json.loads(r.read())["suffix_cache"]["outputs"] > 0
+
+
+def generated(url: str) -> dict[str, float]:
+    """/metrics: the generated tokens counted by each replica (its label), of the replicas that generated any."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {s.labels["replica"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "specrt:generation_tokens_total" and s.value}
 
 
 def post(url: str, body: dict) -> tuple[int, dict, str | None]:
@@ -74,6 +96,20 @@ def post(url: str, body: dict) -> tuple[int, dict, str | None]:
             return r.status, json.loads(r.read()), r.headers[REPLICA_HEADER]
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read()), None
+
+
+@pytest.mark.slow
+def test_requests_beyond_max_waiting_get_429(replicas):
+    """More requests at once than both replicas' batches and --max-waiting hold: the ones beyond get a 429 in
+    OpenAI's format at once, every other one is answered. (Serve counts a request as queued until a replica has
+    taken it, so in a burst fewer than both batches and MAX_WAITING may get through: at least MAX_WAITING do.)"""
+    url, _ = replicas
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(lambda _: post(url, {"prompt": "1, 2, 3,", "max_tokens": 24, "temperature": 0}),
+                                range(40)))
+    codes = sorted(code for code, *_ in answers)
+    assert set(codes) == {200, 429} and codes.count(200) >= MAX_WAITING, codes
+    assert {doc["error"]["code"] for code, doc, _ in answers if code == 429} == {"too_many_requests"}
 
 
 @pytest.mark.slow

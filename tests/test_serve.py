@@ -331,6 +331,7 @@ def test_closed_stream_stops_its_generation(tiny):
 # ---- failures inside the engines: an in-process server over an engine that fails where a test says --------------
 
 POISON = VOCAB - 1   # a prompt with this token fails its prefill pass
+DRAFT_POISON = VOCAB - 2   # (test_failed_drafting_is_a_plain_step) a row with this token fails prompt lookup
 
 
 class EngineFault(RuntimeError):
@@ -427,6 +428,54 @@ def test_failed_round_leaves_the_server_serving(faulty):
         prompt_ids=[5, 6, 7], max_new_tokens=8, temperature=0.8, seed=3, method="autoregressive").token_ids[0]
     assert answers[2][1]["choices"][0]["token_ids"] == lone.generate(
         prompt_ids=[5, 6, 7], max_new_tokens=8, method="autoregressive").token_ids[0]
+
+
+def test_failed_drafting_is_a_plain_step(faulty, monkeypatch):
+    """Prompt lookup that fails in every round where a row holds DRAFT_POISON: those rounds are plain steps for the
+    whole batch, no request fails, and both streams are the target's greedy tokens."""
+    from specrt.decoding.drafters import NgramDrafter
+    lone, url, _ = faulty
+    propose = NgramDrafter.propose
+
+    def failing(self, run, gamma):
+        if any(DRAFT_POISON in run.host_tokens[b, :run.host_lengths[b]] for b in range(run.batch)):
+            raise EngineFault("drafting failed (the test's drafter fault)")
+        return propose(self, run, gamma)
+
+    monkeypatch.setattr(NgramDrafter, "propose", failing)
+    prompts = [[1, 2, 3, 1, 2], [4, DRAFT_POISON, 4, 5]]
+    streams = [sse(url + "/v1/completions", {"prompt": p, "max_tokens": 30, "temperature": 0,
+                                            "specrt": {"method": "ngram"}}) for p in prompts]
+    for prompt, stream in zip(prompts, streams):
+        events = list(stream)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-2:]
+        assert chunk_ids(events) == lone.generate(prompt_ids=prompt, max_new_tokens=30,
+                                                  method="autoregressive").token_ids[0]
+
+
+def test_failed_hand_out_answers_its_own_request_alone(faulty, monkeypatch):
+    """Turning one stream's tokens into text fails (at a token only its output holds): that stream ends with an
+    error event, the other one, in the same batch, runs to its end with the target's tokens."""
+    from specrt.decoding.batch import Detokenizer
+    lone, url, _ = faulty
+    prompts = [[1, 2, 3], [4, 5]]
+    want = [lone.generate(prompt_ids=p, max_new_tokens=40, method="autoregressive").token_ids[0] for p in prompts]
+    bad = next(t for t in want[0][5:] if t not in want[1])
+    feed = Detokenizer.feed
+
+    def failing(self, ids, *args, **kw):
+        if bad in ids:
+            raise EngineFault("detokenizing failed (the test's fault)")
+        return feed(self, ids, *args, **kw)
+
+    monkeypatch.setattr(Detokenizer, "feed", failing)
+    running = started_streams(url, prompts, 40)
+    (first, stream), (other_first, other) = running
+    events = [first, *stream]
+    assert events[-1] == "[DONE]" and "EngineFault" in events[-2]["error"]["message"], events[-2:]
+    assert bad not in chunk_ids(events)
+    events = [other_first, *other]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and chunk_ids(events) == want[1], events[-2:]
 
 
 def test_stop_text():

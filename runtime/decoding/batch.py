@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable
 
@@ -14,6 +15,8 @@ from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
 from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
 from specrt.decoding.run import AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, Generation, _Joining, _Row, _Run
+
+log = logging.getLogger(__name__)
 
 
 class Batch:
@@ -52,6 +55,7 @@ class Batch:
         self.span = (getattr(self.drafter, "span", self.tree.size) if self.tree is not None
                      else (gamma or MAX_GAMMA) + 1)
         cache_len = min(max_len, (cache_len or max_len) + self.span)
+        self.draft_failures = 0   # rounds whose drafting failed (each a plain step instead)
         self.policy = None
         if self.drafter and adaptive and gamma is None and self.tree is None:
             # the acceptance expected at first: what the last request of this kind measured
@@ -265,7 +269,9 @@ class Batch:
                 self.policy.costs, self._costs_for = self._chain_costs(n), n
             g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
-        proposal = drafter.propose(run, g) if drafter and g else run.inputs(run.batch, 1).empty
+        proposal = self._propose(g) if drafter and g else None
+        if proposal is None:
+            g, proposal = 0, run.inputs(run.batch, 1).empty
         taking_part = [row for row, a in zip(run.rows, active) if a]
         accepted, proposed = gen._account(run, gen._verify(run, proposal))
         if drafter is not None:
@@ -279,6 +285,18 @@ class Batch:
             self.policy.update(accepted, proposed)
         if self.trees and timed:
             self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+
+    def _propose(self, g: int):
+        """The drafter's proposal, or None if drafting failed: the round is then a plain step for every row, whose
+        output is the target's all the same (a drafter only proposes; verification decides). The failure is
+        logged, with its traceback the first time in the batch."""
+        try:
+            return self.drafter.propose(self.run, g)
+        except Exception:   # noqa: BLE001 -- no row's request fails for a drafter's fault
+            self.draft_failures += 1
+            log.warning("drafting failed (%s; %d rounds of this batch): the round is a plain step", self.method,
+                        self.draft_failures, exc_info=self.draft_failures == 1)
+            return None
 
     def _chain_costs(self, n: int) -> Costs:
         """What a chain round costs with n rows live: the target's passes and, for the draft model, its step;
@@ -329,6 +347,7 @@ class Batch:
             "gamma": self.gamma if self.gamma is not None else (
                 self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
             "batch_rounds": self.batch_rounds(),
+            "draft_failures": self.draft_failures,   # rounds a failed drafting made plain steps (logged)
         }
         tree, trees, policy = self.tree, self.trees, self.policy
         if tree is not None:

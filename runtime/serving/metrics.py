@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "specrt:"
 # seconds: time to first token, end-to-end and queue time (vLLM's buckets, cut at 10 min)
@@ -87,3 +89,21 @@ class Metrics:
     def exposition(self) -> bytes:
         """The text format of all of them (GET /metrics)."""
         return generate_latest(self.registry)
+
+
+def merge(texts: dict[str, bytes], label: str) -> bytes:
+    """Several servers' texts as one: every sample gains `label` = its server's key (a replica's name), so one scrape
+    counts them all and PromQL sums them (`sum by (model_name) (...)`)."""
+    families: dict[str, Metric] = {}
+    for source, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            merged.samples += [s._replace(labels={**s.labels, label: source}) for s in family.samples]
+
+    class Merged:
+        def collect(self):
+            return families.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Merged())
+    return generate_latest(registry)

@@ -5,7 +5,12 @@ server in its process (create_app: the scheduler, continuous batching, the limit
 behind `@serve.ingress` that takes every HTTP request through Serve's proxy and hands it to an Engine replica (Serve
 routes it to a replica with room: `max_ongoing_requests` is the batch size, where Serve's default of 5 would starve
 the batcher), then streams the replica's answer back. A replica that dies in the middle of a stream ends that stream
-with an error event and `[DONE]`; Serve starts a new replica in its place.
+with an error event and `[DONE]`; Serve starts a new replica in its place. Requests beyond `--max-waiting` waiting for
+a replica with room get a 429 (Serve's `max_queued_requests` at the ingress).
+
+Metrics: every replica sends its registry's text to one `MetricsHub` actor each PUSH_S seconds; the ingress's
+`/metrics` answers with all of them merged, each sample labelled with its `replica` (specrt.serving.metrics.merge), so
+one scrape counts every replica.
 
 `application(args)` is the Serve application builder (`serve run specrt.serving.replicas:application
 engines=engines/default`, or the `import_path` of a `serve deploy` config: docs/serving.md#replicas-on-ray-serve);
@@ -17,19 +22,27 @@ import asyncio
 import json
 import os
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
+from specrt.decoding.datastore import SuffixCache
 from specrt.errors import InputError
+from specrt.serving.metrics import CONTENT_TYPE, merge
 from specrt.serving.server import APIError, Guard, Limits, _error, create_app
 
 REPLICA_HEADER = "x-specrt-replica"   # which replica answered: host:pid
+HUB = "specrt-metrics"   # the MetricsHub actor's name (namespace "specrt")
+PUSH_S = 1.0             # how often a replica sends its metrics to the hub
+GONE_S = 15.0            # a replica not heard from for this long has gone: its figures leave /metrics
 
 
 @dataclass
@@ -43,10 +56,14 @@ class ReplicaConfig:
     max_batch: int = 8
     prefill_chunk: int = PREFILL_CHUNK
     limits: Limits = field(default_factory=Limits)
+    datastore: str | None = None          # rest's datastore (each replica maps it: the pages are shared)
+    suffix_cache_mb: float | None = None  # suffix decoding's index, one of this size in each replica
 
     def __post_init__(self):
         self.engines = str(Path(self.engines).resolve())   # the same path on every node of the cluster
         self.model_name = self.model_name or Path(self.engines).name
+        if self.datastore is not None:
+            self.datastore = str(Path(self.datastore).resolve())
         if isinstance(self.limits, dict):
             self.limits = Limits(**self.limits)
 
@@ -57,9 +74,19 @@ class Engine:
 
     def __init__(self, config: ReplicaConfig):
         gen = Generator.from_engines(config.engines, device=config.device, threads=config.threads,
-                                     prefill_chunk=config.prefill_chunk)
+                                     prefill_chunk=config.prefill_chunk, datastore=config.datastore)
+        if config.suffix_cache_mb is not None:
+            gen.suffix_cache = SuffixCache(config.suffix_cache_mb)
         self.app = create_app(gen, config.model_name, config.method, config.max_batch, config.limits)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        metrics, hub = self.app.state.server.metrics, MetricsHub.get()
+
+        def push():
+            while True:
+                hub.push.remote(self.name, metrics.exposition())
+                time.sleep(PUSH_S)
+
+        threading.Thread(target=push, name="specrt-metrics-push", daemon=True).start()
 
     async def answer(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator:
         """The app's answer to one request. Leaving early (the client has gone) cancels it: its rows are freed."""
@@ -92,16 +119,44 @@ class Engine:
             task.cancel()
 
 
+class MetricsHub:
+    """The latest metrics of every Engine replica (Prometheus' text), as they send them."""
+
+    def __init__(self):
+        self.latest: dict[str, tuple[float, bytes]] = {}
+
+    @staticmethod
+    def get():
+        """The cluster's hub (made by the first replica or ingress that asks; it outlives them)."""
+        import ray
+        return ray.remote(MetricsHub).options(name=HUB, namespace="specrt", get_if_exists=True, lifetime="detached",
+                                              num_cpus=0).remote()
+
+    def push(self, replica: str, text: bytes) -> None:
+        self.latest[replica] = (time.monotonic(), text)
+
+    def collect(self) -> dict[str, bytes]:
+        """Each live replica's text (a replica silent for GONE_S has gone)."""
+        now = time.monotonic()
+        self.latest = {name: (t, text) for name, (t, text) in self.latest.items() if now - t < GONE_S}
+        return {name: text for name, (_, text) in self.latest.items()}
+
+
 class Ingress:
     """Every request through Serve's proxy, handed to an Engine replica; the answer streamed back. The API key and
-    the body limit are checked here too, before a replica is asked."""
+    the body limit are checked here too, before a replica is asked; /metrics answers for every replica."""
 
     def __init__(self, engine, limits: Limits):
         self.engine, self.limits = engine, limits
+        self.hub = MetricsHub.get()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="specrt", openapi_url=None, docs_url=None, redoc_url=None)   # the replicas' document
         app.add_middleware(Guard, api_key=self.limits.api_key, max_body=self.limits.max_body_bytes)
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(merge(await self.hub.collect.remote(), "replica"), media_type=CONTENT_TYPE)
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
         async def forward(request: Request):
@@ -115,6 +170,9 @@ class Ingress:
             request.method, request.url.path, request.url.query.encode(), list(request.headers.items()), body)
         try:
             head = await answer.__anext__()
+        except BackPressureError:
+            return APIError(429, f"{self.limits.max_waiting} requests are waiting for a replica with room already "
+                                 "(--max-waiting): send it again later", code="too_many_requests").response()
         except Exception as e:   # noqa: BLE001 -- no replica answered: the client gets an error object
             return _replica_failed(e).response()
         headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
@@ -146,13 +204,15 @@ async def _relay(answer) -> AsyncIterator[bytes]:
 
 def build(config: ReplicaConfig, replicas: int = 1, autoscale: tuple[int, int] | None = None):
     """The Serve application: `replicas` Engine replicas (or autoscaling between autoscale's bounds, aiming at a
-    full batch each) behind one Ingress."""
+    full batch each) behind one Ingress. `--max-waiting` bounds the requests the ingress holds for a replica with room
+    (Serve's max_queued_requests; each replica's own queue stays empty: it takes no more than a batch)."""
     if replicas < 1:
         raise InputError(f"replicas {replicas}: must be at least 1")
     scaling = {"num_replicas": replicas} if autoscale is None else {"autoscaling_config": {
         "min_replicas": autoscale[0], "max_replicas": autoscale[1], "target_ongoing_requests": config.max_batch}}
+    queued = {} if config.limits.max_waiting is None else {"max_queued_requests": config.limits.max_waiting}
     engine = serve.deployment(Engine, max_ongoing_requests=config.max_batch,
-                              ray_actor_options={"num_cpus": config.threads}, **scaling)
+                              ray_actor_options={"num_cpus": config.threads}, **scaling, **queued)
     # the ingress only relays: as many requests as all replicas take at once and their waiting ones
     ingress = serve.deployment(serve.ingress()(Ingress), max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(config), config.limits)
