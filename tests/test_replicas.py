@@ -79,13 +79,42 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
         assert json.loads(r.read())["suffix_cache"]["outputs"] > 0
 
 
-def generated(url: str) -> dict[str, float]:
-    """/metrics: the generated tokens counted by each replica (its label), of the replicas that generated any."""
+def samples(url: str, name: str, **labels) -> dict[str, float]:
+    """/metrics: sample `name` with these labels, summed by replica (its label)."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return {s.labels["replica"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "specrt:generation_tokens_total" and s.value}
+    found: dict[str, float] = {}
+    for s in (s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name):
+        if labels.items() <= s.labels.items():
+            found[s.labels["replica"]] = found.get(s.labels["replica"], 0) + s.value
+    return found
+
+
+def generated(url: str) -> dict[str, float]:
+    """The generated tokens counted by each replica, of the replicas that generated any."""
+    return {r: n for r, n in samples(url, "specrt:generation_tokens_total").items() if n}
+
+
+@pytest.mark.slow
+def test_client_that_leaves_frees_its_row(replicas):
+    """A client that closes its stream after two chunks: the replica stops generating for it, frees its row (its
+    running gauge, through the metrics hub, comes back to 0) and counts the sequence as aborted."""
+    url, _ = replicas
+    aborted = sum(samples(url, "specrt:request_success_total", finished_reason="abort").values())
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+        {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=120)
+    replica = r.headers[REPLICA_HEADER]
+    r.readline(), r.readline(), r.readline()
+    r.close()
+    deadline = time.monotonic() + 20
+    while samples(url, "specrt:num_requests_running").get(replica) != 0 or sum(
+            samples(url, "specrt:request_success_total", finished_reason="abort").values()) != aborted + 1:
+        assert time.monotonic() < deadline, "the replica still runs the request of a client that has gone"
+        time.sleep(0.5)
+    assert samples(url, "specrt:generation_tokens_total")[replica] < 1000
 
 
 def post(url: str, body: dict) -> tuple[int, dict, str | None]:

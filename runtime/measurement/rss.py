@@ -11,11 +11,11 @@ def available() -> bool:
     return _STATUS.is_file()
 
 
-def _status_bytes(field: str) -> int:
-    for line in _STATUS.read_text().splitlines():
+def _status_bytes(field: str, status: Path = _STATUS) -> int:
+    for line in status.read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024   # "VmRSS:   123456 kB"
-    raise RuntimeError(f"{_STATUS} has no {field} line")
+    raise RuntimeError(f"{status} has no {field} line")
 
 
 def rss_bytes(settled: bool = False) -> int:
@@ -24,6 +24,11 @@ def rss_bytes(settled: bool = False) -> int:
     if settled:
         settle()
     return _status_bytes("VmRSS")
+
+
+def process_rss_bytes(pid: int) -> int:
+    """Another process's resident size (a server's, say)."""
+    return _status_bytes("VmRSS", Path(f"/proc/{pid}/status"))
 
 
 def settle() -> None:

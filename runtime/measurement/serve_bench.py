@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specrt.errors import InputError
+from specrt.measurement.rss import process_rss_bytes
 
 
 @contextmanager
@@ -162,7 +163,7 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
     for cache in (None, suffix_cache_mb):
         args = ["--max-batch", str(concurrency), "--method", method] + (["--threads", str(threads)] if threads else []) \
             + ([] if cache is None else ["--suffix-cache", str(cache)])
-        with server(engines, out / f"server-{'cache' if cache else 'plain'}.log", *args) as (url, _):
+        with server(engines, out / f"server-{'cache' if cache else 'plain'}.log", *args) as (url, pid):
             stream_request(url, "Say hello.", 8)   # warm-up: first passes, cost measurements
             for n in (1, 2):
                 log(f"{'suffix cache ' + str(cache) + ' MB' if cache else 'no suffix cache'}, pass {n}: {requests} "
@@ -174,8 +175,10 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
                 tokens = sum(d["tokens"] for d in done)
                 rounds = sum(d["stats"]["rounds"] for d in done if d["stats"] and d["stats"].get("rounds"))
                 results.append({"suffix_cache_mb": cache, "pass": n, "tokens": tokens, "wall_s": wall,
-                                "tokens_per_s": tokens / wall, "tokens_per_round": tokens / rounds if rounds else None})
-                log(f"  {tokens / wall:.1f} tok/s, {results[-1]['tokens_per_round'] or 0:.2f} tokens a round")
+                                "tokens_per_s": tokens / wall, "tokens_per_round": tokens / rounds if rounds else None,
+                                "server_rss_mb": process_rss_bytes(pid) / 2**20})
+                log(f"  {tokens / wall:.1f} tok/s, {results[-1]['tokens_per_round'] or 0:.2f} tokens a round, server "
+                    f"{results[-1]['server_rss_mb']:.0f} MB resident")
             with urllib.request.urlopen(url + "/health", timeout=30) as r:
                 results[-1]["health"] = json.loads(r.read())
     plain, cached = results[1], results[3]
@@ -186,9 +189,10 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
     size = cached["health"].get("suffix_cache", {})
     lines = [f"# Serving repeated traffic: {method}, {requests} requests of {max_tokens} tokens sent twice "
              f"(greedy, MT-Bench chat prompts, concurrency {concurrency})", "",
-             "| suffix cache | pass | tok/s | tokens a round |", "|---|---|---|---|"]
+             "| suffix cache | pass | tok/s | tokens a round | server resident after (MB) |", "|---|---|---|---|---|"]
     lines += [f"| {r['suffix_cache_mb'] or 'none'}{' MB' if r['suffix_cache_mb'] else ''} | {r['pass']} | "
-              f"{r['tokens_per_s']:.1f} | {r['tokens_per_round'] or 0:.2f} |" for r in results]
+              f"{r['tokens_per_s']:.1f} | {r['tokens_per_round'] or 0:.2f} | {r['server_rss_mb']:.0f} |"
+              for r in results]
     lines += ["", f"Second pass with the cache: {ratio:.2f}× the second pass without. The cache after both passes: "
               f"{size.get('outputs')} outputs, {size.get('tokens')} tokens, {size.get('bytes')} bytes "
               f"(its bound: {suffix_cache_mb} MB)."]
