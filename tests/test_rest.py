@@ -211,3 +211,33 @@ def test_datastore_errors(rest_pair, tmp_path):
     result = CliRunner().invoke(main, ["generate", engines, "--prompt-ids", "1,2", "--method", "rest",
                                        "--datastore", str(tmp_path)])
     assert result.exit_code == 1 and "not a datastore" in result.output
+
+
+def test_candidates_are_the_most_frequent_continuations():
+    """A row's candidates (the context's own matches and a suffix cache's) against a plain count: every path kept
+    has its share (the larger of the two sources'), none left out is more frequent than one kept, and the rank
+    paths name the token paths."""
+    import collections
+
+    from specrt.decoding.rest import RestDrafter
+    rng = np.random.default_rng(3)
+    cache = SuffixCache(0.05)
+    for _ in range(60):
+        cache.add(np.concatenate([[5, 6], rng.integers(0, 6, 8)]))   # many continuations of "5 6"
+    drafter = RestDrafter([cache], RestShape(depth=4, nodes=10))
+    context = np.concatenate([rng.integers(0, 9, 30), [5, 6, 2, 5, 6]])
+    n, out = drafter.candidates(context, 4)
+    share = collections.Counter()
+    for m in (find_in(context, context, 16, 4, 256, exclude_last=True), cache.lookup(context, 16, 4, 256)):
+        if m.n != n:
+            continue
+        counts = collections.Counter(tuple(r[:d + 1]) for r in m.continuations.tolist() for d in range(4)
+                                     if min(r[:d + 1]) >= 0)
+        for path, c in counts.items():
+            share[path] = max(share[path], c / len(m.continuations))
+    paths = {}
+    for ranks in sorted(out, key=len):   # rank path -> token path
+        paths[ranks] = paths.get(ranks[:-1], ()) + (out[ranks][0],)
+    kept = {paths[r]: out[r][1] for r in out}
+    assert n == 2 and len(kept) == 10 and all(share[p] == v for p, v in kept.items())
+    assert max(v for p, v in share.items() if p not in kept) <= min(kept.values())

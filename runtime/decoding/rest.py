@@ -92,16 +92,27 @@ class RestDrafter(RowlessDrafter):
         for m in matches:
             if m.n != n or not n or not len(m.continuations):
                 continue
-            counts = collections.Counter()
-            for row in m.continuations.tolist():
-                for d in range(depth):
-                    if row[d] < 0:
-                        break
-                    counts[tuple(row[:d + 1])] += 1
-            total = len(m.continuations)
-            for path, c in counts.items():
-                share[path] = max(share.get(path, 0.0), c / total)
+            rows, total = m.continuations, len(m.continuations)
+            group = np.zeros(total, np.int64)   # each row's path so far, numbered
+            levels = []                         # per depth: its distinct paths and their shares
+            for d in range(depth):
+                rows, group = rows[rows[:, d] >= 0], group[rows[:, d] >= 0]
+                if not len(rows):
+                    break
+                _, first, group, counts = np.unique(group << 32 | rows[:, d], return_index=True,
+                                                    return_inverse=True, return_counts=True)
+                levels.append((rows[first, :d + 1], counts / total))
+            shares = np.concatenate([v for _, v in levels]) if levels else np.zeros(0)
+            # a path that nodes others of this source outnumber is in no row's candidates
+            cut = np.partition(shares, -s.nodes)[-s.nodes] if len(shares) > s.nodes else 0.0
+            for paths, v in levels:
+                keep = v >= cut
+                for path, x in zip(map(tuple, paths[keep].tolist()), v[keep].tolist()):
+                    share[path] = max(share.get(path, 0.0), x)
         # the most frequent first, shorter first among equals: a path's prefixes come before it
+        if len(share) > s.nodes:   # only the paths as frequent as the nodes-th most frequent can be kept
+            cut = sorted(share.values(), reverse=True)[s.nodes - 1]
+            share = {p: v for p, v in share.items() if v >= cut}
         kept = sorted(share, key=lambda p: (-share[p], len(p), p))[:s.nodes]
         children = collections.defaultdict(list)
         for p in kept:
