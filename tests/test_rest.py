@@ -16,7 +16,7 @@ from specrt.decoding import datastore as ds, verification
 from specrt.decoding.adaptive import TreePolicy
 from specrt.decoding.datastore import (Datastore, DatastoreError, SuffixCache, TokenizerMismatchError, find_in)
 from specrt.decoding.generate import Generator
-from specrt.decoding.rest import RestShape
+from specrt.decoding.rest import RestDrafter, RestShape
 from specrt.decoding.sampling import SamplingParams
 from test_serve import client, running_server
 from test_speculative import P_MIN, V, chi_square_p, exact_joint, sample_first3
@@ -108,6 +108,8 @@ def test_suffix_cache_drafts_a_repeated_request(rest_pair, monkeypatch):
     monkeypatch.setattr(gen, "datastore", None)
     monkeypatch.setattr(gen, "suffix_cache", SuffixCache(1.0))
     monkeypatch.setattr(TreePolicy, "choose", lambda self: True)
+    # lookups every round: on this tiny target a pass takes less time than a lookup, so that they would not pay
+    monkeypatch.setattr(RestDrafter, "MAX_IDLE", 0)
     prompt = [3, 9, 14, 2, 20]
     ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
     assert gen.suffix_cache.outputs == 1   # generate() feeds it too
@@ -219,7 +221,6 @@ def test_candidates_are_the_most_frequent_continuations():
     paths name the token paths."""
     import collections
 
-    from specrt.decoding.rest import RestDrafter
     rng = np.random.default_rng(3)
     cache = SuffixCache(0.05)
     for _ in range(60):
@@ -241,3 +242,18 @@ def test_candidates_are_the_most_frequent_continuations():
     kept = {paths[r]: out[r][1] for r in out}
     assert n == 2 and len(kept) == 10 and all(share[p] == v for p, v in kept.items())
     assert max(v for p, v in share.items() if p not in kept) <= min(kept.values())
+
+
+def test_lookups_that_do_not_pay_back_off():
+    """Rounds whose lookups found nothing (they cost 1 ms, a pass 10 ms): 1, 2, 4, 8, 8 rounds go without them;
+    one round with 5 accepted drafts brings lookups back to every round."""
+    from specrt.decoding.adaptive import Costs
+    drafter = RestDrafter([], RestShape(), costs=lambda rows: Costs(0.0, {1: 0.010, 25: 0.012}))
+    idles = []
+    for _ in range(5):
+        drafter._saved(0.001, 1, 0, 0)
+        idles.append(drafter.idle)
+    assert idles == [1, 2, 4, 8, 8]
+    drafter.idle = 0
+    drafter._saved(0.001, 1, 24, 5)   # 50 ms of tokens for 2 ms more pass and 1 ms of lookups
+    assert drafter.saving > 0 and drafter.idle == 0 and drafter.backoff == 1

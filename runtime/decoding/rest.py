@@ -14,12 +14,15 @@ how long the match was (a one-token match in a corpus of code says little about 
 scaled per match length by what the rows' trees of that length accepted so far (drifting back to 1 while no tree
 is tried). Rounds without a match, or whose best tree is expected to give fewer tokens per second than a plain
 step, are plain steps (Batch's TreePolicy is not used: the calibration per match length is what turns trees off
-where they stop paying). A target that verifies chains only (int8 activations)
-gets each row's chain of most frequent tokens.
+where they stop paying). The lookups take host time every round (about a millisecond over a large datastore): while
+what they save stays below what they cost (a text the sources know nothing of), rounds go without them, up to
+MAX_IDLE in a row (RestDrafter._saved). A target that verifies chains only (int8 activations) gets each row's chain
+of most frequent tokens.
 """
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,17 +67,41 @@ class RestDrafter(RowlessDrafter):
         # per match length (up to LONG): decayed drafts accepted by the rows, and what their estimates predicted
         self.calibration = {n: [1.0, 1.0] for n in range(1, self.LONG + 1)}
         self._pending = None            # per row of the last tree: (its match length, its estimates' sum)
+        self._round = None              # the last looked-up round: (lookup seconds, rows, tree size)
+        self.saving, self.idle, self.backoff = 0.0, 0, 1   # see _saved
 
     LONG = 8   # match lengths from here on share one calibration
 
+    LOOKUP_DECAY = 0.9   # per looked-up round, the memory of what lookups saved (about a dozen rounds)
+    MAX_IDLE = 8         # rounds without lookups at most, while they do not pay
+
     def observe(self, run) -> None:
-        """The rows' accepted drafts (the round's host read) against what their estimates predicted."""
-        if self._pending is not None and run.host_pass is not None:
-            accepted = run.host_pass[1]
+        """The rows' accepted drafts (the round's host read) against what their estimates predicted; what the
+        round's lookups saved against a plain step."""
+        accepted = run.host_pass[1] if run.host_pass is not None else None
+        if self._pending is not None and accepted is not None:
             for b, (n, predicted) in self._pending.items():
                 total = self.calibration[n]
                 self.calibration[n] = [DECAY * total[0] + accepted[b], DECAY * total[1] + predicted]
-        self._pending = None
+        if self._round is not None:
+            spent, count, size = self._round
+            gained = sum(accepted[b] for b in self._pending) if size and accepted is not None and self._pending else 0
+            self._saved(spent, count, size, gained)
+        self._pending = self._round = None
+
+    def _saved(self, spent: float, count: int, size: int, accepted: int) -> None:
+        """Seconds a looked-up round saved over a plain step (its rows' accepted drafts at a plain step's time,
+        less the larger pass and the lookups' own time), averaged; while the average is below 0 the next rounds
+        are plain steps without lookups, 1 after the first such round, twice as many after each next (up to
+        MAX_IDLE), so that text without matches costs the lookups of a round in MAX_IDLE + 1 at most."""
+        costs = self.costs(count)
+        t1 = costs.pass_time(1)
+        saved = accepted / count * t1 - (costs.pass_time(size + 1) - t1) - spent
+        self.saving = self.LOOKUP_DECAY * self.saving + (1 - self.LOOKUP_DECAY) * saved
+        if self.saving < 0:
+            self.idle, self.backoff = min(self.backoff, self.MAX_IDLE), min(2 * self.backoff, self.MAX_IDLE)
+        else:
+            self.backoff = 1
 
     def scale(self, n: int) -> float:
         """Drafts accepted per draft predicted, after matches of length n."""
@@ -128,6 +155,18 @@ class RestDrafter(RowlessDrafter):
         return n, out
 
     def propose(self, run, gamma: int) -> Proposal:
+        if self.costs is None:
+            return self._propose(run, gamma)
+        if self.idle:   # lookups have not paid lately: a plain step without them
+            self.idle -= 1
+            return run.inputs(run.batch, 1).empty
+        began = time.perf_counter()
+        proposal = self._propose(run, gamma)
+        count = int(np.count_nonzero(run.active)) or run.batch
+        self._round = (time.perf_counter() - began, count, 0 if proposal.tree is None else proposal.tree.size - 1)
+        return proposal
+
+    def _propose(self, run, gamma: int) -> Proposal:
         B, depth = run.batch, min(self.shape.depth, gamma)
         live = run.active if run.active.any() else np.ones(B, bool)
         rows, memo = {}, {}
