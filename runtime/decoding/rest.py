@@ -137,9 +137,6 @@ class RestDrafter(RowlessDrafter):
                 for path, x in zip(map(tuple, paths[keep].tolist()), v[keep].tolist()):
                     share[path] = max(share.get(path, 0.0), x)
         # the most frequent first, shorter first among equals: a path's prefixes come before it
-        if len(share) > s.nodes:   # only the paths as frequent as the nodes-th most frequent can be kept
-            cut = sorted(share.values(), reverse=True)[s.nodes - 1]
-            share = {p: v for p, v in share.items() if v >= cut}
         kept = sorted(share, key=lambda p: (-share[p], len(p), p))[:s.nodes]
         children = collections.defaultdict(list)
         for p in kept:
