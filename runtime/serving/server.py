@@ -423,40 +423,47 @@ class Scheduler:
         run, now = batch.run, time.perf_counter()
         failed: set[Job] = set()   # requests whose own work here failed: answered with the error, their rows freed
         for b, row in enumerate(run.rows):
-            job, index = row.owner
             ids = run.new_tokens(b)
-            if ids and job not in failed:
-                try:
-                    latency = job.latency[index]
-                    first = latency.first is None
-                    self.metrics.handed(batch.method, len(ids), now - job.arrived if first else None,
-                                        None if first else now - latency.last)
-                    latency.handed(now, len(ids))
-                    job.put(("tokens", index, ids, job.texts[index].feed(ids)))
-                except Exception as e:   # noqa: BLE001 -- this request's alone: the other rows go on
-                    log.exception("handing a sequence its tokens failed; its request is answered with the error")
-                    failed.add(job)
-                    job.put(e)
+            if ids and row.owner[0] not in failed:
+                self._isolated(failed, row.owner[0], "handing a sequence its tokens", self._hand_out, batch, row, ids,
+                               now)
         batch.cancel(lambda owner: owner[0].gone.is_set() or owner[0] in failed)
         for row, tokens in batch.retire():
-            job, index = row.owner
-            if job in failed:
-                continue
-            if row.stop_reason == "cancelled":
-                log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
-                         "string)", len(tokens))
-            elif row.stop_reason == "time_limit":
-                log.info("generation stopped after %d tokens: the request's time is up (--request-timeout %g s)",
-                         len(tokens), self.timeout)
-            try:
-                stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
-                         **job.latency[index].stats(job.arrived)}
-                self.metrics.ended(batch.method, stats, time.perf_counter() - job.arrived)
-                job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
-            except Exception as e:   # noqa: BLE001 -- its row has left the batch already
-                log.exception("ending a sequence failed; its request is answered with the error")
-                failed.add(job)
-                job.put(e)
+            if row.owner[0] not in failed:   # (its row has left the batch already)
+                self._isolated(failed, row.owner[0], "ending a sequence", self._end, batch, row, tokens)
+
+    @staticmethod
+    def _isolated(failed: set[Job], job: Job, what: str, work: Callable, *args) -> None:
+        """One sequence's work; if it fails, its request alone is answered with the error (and joins `failed`):
+        the other rows go on."""
+        try:
+            work(*args)
+        except Exception as e:   # noqa: BLE001
+            log.exception("%s failed; its request is answered with the error", what)
+            failed.add(job)
+            job.put(e)
+
+    def _hand_out(self, batch: Batch, row, ids: list[int], now: float) -> None:
+        job, index = row.owner
+        latency = job.latency[index]
+        first = latency.first is None
+        self.metrics.handed(batch.method, len(ids), now - job.arrived if first else None,
+                            None if first else now - latency.last)
+        latency.handed(now, len(ids))
+        job.put(("tokens", index, ids, job.texts[index].feed(ids)))
+
+    def _end(self, batch: Batch, row, tokens: list[int]) -> None:
+        job, index = row.owner
+        if row.stop_reason == "cancelled":
+            log.info("generation stopped after %d tokens: the request has ended (client gone or a stop "
+                     "string)", len(tokens))
+        elif row.stop_reason == "time_limit":
+            log.info("generation stopped after %d tokens: the request's time is up (--request-timeout %g s)",
+                     len(tokens), self.timeout)
+        stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
+                 **job.latency[index].stats(job.arrived)}
+        self.metrics.ended(batch.method, stats, time.perf_counter() - job.arrived)
+        job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
 
 
 # ---- the server ----------------------------------------------------------------------------------------------------
