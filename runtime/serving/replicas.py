@@ -33,11 +33,10 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
-from specrt.decoding.datastore import SuffixCache
+from specrt.decoding.generate import AUTO, PREFILL_CHUNK
 from specrt.errors import InputError
 from specrt.serving.metrics import CONTENT_TYPE, merge
-from specrt.serving.server import APIError, Guard, Limits, _error, create_app
+from specrt.serving.server import APIError, Guard, Limits, _error, create_app, load
 
 REPLICA_HEADER = "x-specrt-replica"   # which replica answered: host:pid
 HUB = "specrt-metrics"   # the MetricsHub actor's name (namespace "specrt")
@@ -73,10 +72,8 @@ class Engine:
     query, headers and body, its answer goes back as a stream: {"status", "headers"}, then the body's chunks."""
 
     def __init__(self, config: ReplicaConfig):
-        gen = Generator.from_engines(config.engines, device=config.device, threads=config.threads,
-                                     prefill_chunk=config.prefill_chunk, datastore=config.datastore)
-        if config.suffix_cache_mb is not None:
-            gen.suffix_cache = SuffixCache(config.suffix_cache_mb)
+        gen = load(config.engines, config.device, config.threads, config.prefill_chunk, config.datastore,
+                   config.suffix_cache_mb)
         self.app = create_app(gen, config.model_name, config.method, config.max_batch, config.limits)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         metrics, hub = self.app.state.server.metrics, MetricsHub.get()

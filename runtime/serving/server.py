@@ -884,6 +884,16 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def load(engines: str | Path, device: str = "auto", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+         datastore: str | Path | None = None, suffix_cache_mb: float | None = None) -> Generator:
+    """The generator a server (or a replica) serves: the engine set, rest's datastore and the suffix cache."""
+    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
+                                 datastore=datastore)
+    if suffix_cache_mb is not None:
+        gen.suffix_cache = SuffixCache(suffix_cache_mb)
+    return gen
+
+
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
           max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
@@ -891,10 +901,7 @@ def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
     `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
     outputs (see SuffixCache)."""
-    gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
-                                 datastore=datastore)
-    if suffix_cache_mb is not None:
-        gen.suffix_cache = SuffixCache(suffix_cache_mb)
+    gen = load(engines, device, threads, prefill_chunk, datastore, suffix_cache_mb)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
