@@ -100,22 +100,61 @@ def _prompts(cfg: Eagle3TrainConfig, src) -> list[list[int]]:
 
 
 def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, ...]) -> list[tuple]:
-    """Per row: the aux states (n, k*d) and the target's top-16 logits (n, 16) with their ids, float16, cached in
-    --work (a prefix of the rows: a cut run resumes)."""
-    path = Path(cfg.work) / "features.pt"
-    feats = torch.load(path, weights_only=True) if path.is_file() else []
-    model = src.model.to(cfg.device)
-    with torch.no_grad():
-        for i in range(len(feats), len(rows)):
-            ids = torch.tensor([rows[i]["ids"]], device=cfg.device)
-            out = model(ids, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[j][0] for j in layers], -1).half().cpu()          # (n, k*d)
-            values, index = out.logits[0].float().topk(TOP_K, -1)                                # (n, 16)
-            feats.append((aux, values.half().cpu(), index.int().cpu()))
-            if i % 64 == 63 or i == len(rows) - 1:
-                torch.save(feats, path.with_suffix(".tmp"))
-                path.with_suffix(".tmp").replace(path)
+    """Per row: the aux states (n, k*d) and the target's top-16 logits at every position but the last (n − 1, 16),
+    with their ids, float16. The labels come from `<data>.teacher/` where `specrt train data` wrote them for every
+    row (the exact target's), else from the target. The target's transformers model runs in bfloat16 over batches
+    of rows; the features are kept in --work/features/ in shards (a cut run resumes)."""
+    import copy
+
+    from rich.progress import Progress
+    folder = Path(cfg.work) / "features"
+    folder.mkdir(parents=True, exist_ok=True)
+    feats = [f for shard in sorted(folder.glob("*.pt")) for f in torch.load(shard, weights_only=True)]
+    if len(feats) >= len(rows):
+        return feats[:len(rows)]
+    labels = _teacher(cfg, rows)
+    model = copy.deepcopy(src.model).to(device=cfg.device, dtype=torch.bfloat16).eval()
+    todo, shard = list(range(len(feats), len(rows))), []
+    with Progress() as bar, torch.no_grad():
+        task = bar.add_task("target features", total=len(todo))
+        while todo:
+            batch = [todo.pop(0)]   # rows in order (the shards are a prefix of the data), ≤ batch_tokens padded
+            while todo and len(batch) < 32 and (len(batch) + 1) * max(len(rows[i]["ids"]) for i in
+                                                                      (*batch, todo[0])) <= cfg.batch_tokens:
+                batch.append(todo.pop(0))
+            S = max(len(rows[i]["ids"]) for i in batch)
+            ids = torch.zeros(len(batch), S, dtype=torch.long)
+            for b, i in enumerate(batch):
+                ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
+            runner = model if labels is None else model.model    # the LM head only where the labels are made here
+            out = runner(ids.to(cfg.device), output_hidden_states=True)                 # causal: padding last
+            aux = torch.cat([out.hidden_states[j] for j in layers], -1).half().cpu()  # (b, S, k*d)
+            for b, i in enumerate(batch):
+                n = len(rows[i]["ids"])
+                if labels is None:
+                    values, index = out.logits[b, :n - 1].float().topk(TOP_K, -1)
+                    label = (values.half().cpu(), index.int().cpu())
+                else:
+                    label = labels[i]
+                shard.append((aux[b, :n].clone(), *label))
+            bar.advance(task, len(batch))
+            if len(shard) >= 256 or not todo:
+                torch.save(shard, folder / "tmp")
+                (folder / "tmp").replace(folder / f"{len(feats):07d}.pt")
+                feats += shard
+                shard = []
     return feats
+
+
+def _teacher(cfg: Eagle3TrainConfig, rows: list[dict]) -> dict | None:
+    """The top-16 labels `specrt train data` wrote beside --data, where they cover every row; else None."""
+    from specrt.export.train.train_draft import load_labels
+    if not cfg.data or not Path(cfg.data).with_suffix(".teacher").is_dir():
+        return None
+    labels = load_labels(cfg.data)
+    ok = len(labels) == len(rows) and all(labels[i][0].shape == (len(r["ids"]) - 1, TOP_K)
+                                          for i, r in enumerate(rows))
+    return labels if ok else None
 
 
 def draft_ids(rows: list[dict], vocab_size: int, size: int) -> list[int] | None:
@@ -143,7 +182,7 @@ def collate(batch: list[int], rows, feats, remap, device):
         a, values, index = feats[i]
         aux[b, :n - 1] = a[:-1].float()
         ids[b, :n - 1] = torch.tensor(rows[i]["ids"][1:])
-        t_val[b, :n - 2], t_idx[b, :n - 2] = values[1:-1].float(), remap[index[1:-1].long()]
+        t_val[b, :n - 2], t_idx[b, :n - 2] = values[1:].float(), remap[index[1:].long()]  # (n − 1, 16)
         mask[b, max(m - 2, 0):n - 2] = True                                         # slot t predicts token t + 2
     return [t.to(device) for t in (aux, ids, t_idx, t_val, mask)]
 
@@ -240,7 +279,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
         (work / "ckpt.tmp").replace(ckpt)
 
     started, stop_at = time.time() - state["wall_s"], time.time() + 60 * cfg.max_minutes
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.device == "cuda")
+    autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.device == "cuda" or _cpu_bf16())
     while state["step"] < cfg.steps and (not cfg.max_minutes or time.time() < stop_at):
         order = batches(train_ids, rows, cfg.batch_tokens, random.Random(cfg.seed + state["epoch"]))
         if state["batch"] >= len(order):
@@ -268,6 +307,15 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
     if state["step"] < cfg.steps:
         log(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
     return _write(cfg, model.cpu().eval(), state, rows, layers, len(train_ids), len(val))
+
+
+def _cpu_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16, AMX): training steps in bfloat16 there take about
+    0.6 of the float32 time (SmolLM2's drafter, 2 cores); elsewhere bfloat16 would be slower."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _write(cfg: Eagle3TrainConfig, model: Eagle3Model, state: dict, rows, layers, n_train: int, n_val: int) -> Path:
