@@ -13,7 +13,7 @@ MEDUSA ?= export/drafters/smollm2-135m-medusa
 EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle eagle-traces gpu-check check-large \
+.PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle train-eagle3 eagle-traces gpu-check check-large \
         datastore-stdlib datastore-distill
 .DELETE_ON_ERROR:
 
@@ -27,6 +27,7 @@ help:
 	@echo "make check-large  a random-weight 1.1 B Llama exported, built, run: tokens and peak memory (not in make test)"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
+	@echo "make train-eagle3  train an EAGLE-3 drafter into build/eagle3-smollm2 (resumable; about 1.5 h on 2 cores)"
 	@echo "make eagle-traces  record the EAGLE drafter's acceptance that gpu-check projects its speedup from"
 	@echo "make datastore-stdlib / datastore-distill  --method rest's datastores: Python's standard library, or the"
 	@echo "             target's own answers of make train-data (docs/model-free.md)"
@@ -119,6 +120,13 @@ train-medusa: train-data
 train-eagle: train-data
 	$(TRAIN) eagle --target smollm2-135m --data $(DISTILL) --work build/eagle-train --out $(EAGLE) \
 	    --vocab-from export/drafters/$(DRAFT) --max-minutes 120
+
+# EAGLE-3 (not shipped; docs/drafters.md has its measurements): the hidden states entering target layers 2, 15 and
+# 27 at every position of the same data (bf16, cached in build/eagle3-train/features), then one decoder layer over
+# [embedding; fc(those three)] learns the target's next-token distribution over the 12,288 ids it writes most.
+train-eagle3: train-data
+	$(TRAIN) eagle3 --target smollm2-135m --data $(DISTILL) --work build/eagle3-train --out build/eagle3-smollm2 \
+	    --steps 900 --lr 5e-4 --max-minutes 120
 
 # The EAGLE drafter's acceptance traces, next to its weights (specrt.measurement.projection; gpu-check projects EAGLE's speedup
 # on a device from them and the device's measured costs): full trees every round of the engine set's tree shape,

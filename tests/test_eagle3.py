@@ -436,6 +436,7 @@ def test_train_eagle3_end_to_end(tmp_path):
     out = train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=lines.append, **opts)
     record = json.loads((out / "training.json").read_text())
     assert record["steps_done"] == 20 and [h["step"] for h in record["history"]] == [10, 20]
+    assert "labels: the target's top-16, computed with the features" in lines   # no --data: no teacher files
     assert "EAGLE-3 drafter" in (out / "README.md").read_text()
     again = []
     train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=again.append, **opts)
@@ -493,8 +494,9 @@ def test_specrt_train_eagle3(tmp_path):
                        eos=tok.convert_tokens_to_ids("<|im_end|>"))
     model.save_pretrained(tmp_path / "qwen2")
     tok.save_pretrained(tmp_path / "qwen2")
-    train("eagle3", "--target", tmp_path / "qwen2", "--out", tmp_path / "e3", "--steps", 2, "--batch-tokens", 512,
-          "--save-every", 1, "--kept-vocab", 300, "--layers", "1,3,6", *DATA)
+    output = train("eagle3", "--target", tmp_path / "qwen2", "--out", tmp_path / "e3", "--steps", 2,
+                   "--batch-tokens", 512, "--save-every", 1, "--kept-vocab", 300, "--layers", "1,3,6", *DATA)
+    assert "labels: the target's top-16 in" in output   # the data kind's teacher files, not computed again
     record = json.loads((tmp_path / "e3" / "training.json").read_text())
     assert (record["steps_done"], record["sessions"]) == (2, [[0, 2]])
     assert "eagle3 drafter" in (tmp_path / "e3" / "README.md").read_text()

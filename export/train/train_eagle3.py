@@ -99,7 +99,7 @@ def _prompts(cfg: Eagle3TrainConfig, src) -> list[list[int]]:
     return out
 
 
-def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, ...]) -> list[tuple]:
+def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, ...], log=print) -> list[tuple]:
     """Per row: the aux states (n, k*d) and the target's top-16 logits at every position but the last (n − 1, 16),
     with their ids, float16. The labels come from `<data>.teacher/` where `specrt train data` wrote them for every
     row (the exact target's), else from the target. The target's transformers model runs in bfloat16 over batches
@@ -113,6 +113,8 @@ def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, .
     if len(feats) >= len(rows):
         return feats[:len(rows)]
     labels = _teacher(cfg, rows)
+    log(f"labels: the target's top-16 in {Path(cfg.data).with_suffix('.teacher')}" if labels else
+        "labels: the target's top-16, computed with the features")
     model = copy.deepcopy(src.model).to(device=cfg.device, dtype=torch.bfloat16).eval()
     todo, shard = list(range(len(feats), len(rows))), []
     with Progress() as bar, torch.no_grad():
@@ -236,7 +238,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
     L = src.model.config.num_hidden_layers
     layers = tuple(cfg.layers) or default_layers(L)
     rows = target_rows(cfg, src)
-    feats = features(cfg, src, rows, layers)
+    feats = features(cfg, src, rows, layers, log)
     V = src.model.config.vocab_size
     kept = draft_ids(rows, V, cfg.kept_vocab or V)
     rope = {k: v for k in ("rope_theta", "rope_scaling", "rope_parameters")
