@@ -116,6 +116,7 @@ def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, .
     log(f"labels: the target's top-16 in {Path(cfg.data).with_suffix('.teacher')}" if labels else
         "labels: the target's top-16, computed with the features")
     model = copy.deepcopy(src.model).to(device=cfg.device, dtype=torch.bfloat16).eval()
+    runner = model if labels is None else model.model    # the LM head only where the labels are made here
     todo, shard = list(range(len(feats), len(rows))), []
     with Progress() as bar, torch.no_grad():
         task = bar.add_task("target features", total=len(todo))
@@ -128,7 +129,6 @@ def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, .
             ids = torch.zeros(len(batch), S, dtype=torch.long)
             for b, i in enumerate(batch):
                 ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
-            runner = model if labels is None else model.model    # the LM head only where the labels are made here
             out = runner(ids.to(cfg.device), output_hidden_states=True)                 # causal: padding last
             aux = torch.cat([out.hidden_states[j] for j in layers], -1).half().cpu()  # (b, S, k*d)
             for b, i in enumerate(batch):
