@@ -732,7 +732,7 @@ def _default(text: str) -> str:
 @click.option("--eval-every", default=None, type=click.IntRange(1), help="draft, eagle: steps between evaluations.")
 @click.option("--save-every", default=None, type=click.IntRange(1), help="Steps between checkpoints.")
 @click.option("--init", default=None, type=click.Path(exists=True, file_okay=False),
-              help="draft, eagle: start from this trained drafter's weights (a warm start).")
+              help="draft, eagle, eagle3: start from this trained drafter's weights (a warm start).")
 def train(kind, **options):
     from specrt.export.train.run import TrainOptions, train as run
     try:

@@ -197,6 +197,34 @@ def test_drafter_logits_match_the_published_architecture(published):
     assert torch.allclose(out.logits[0, -1], ref_next[-1], atol=1e-4)
 
 
+def test_training_passes_attend_as_tree_levels_do(published):
+    """train_eagle3's training-time test: pass k at slot t is the engine's tree level k there (a cache made from the
+    target's aux states up to slot t − k, then a chain of the drafter's own outputs); pass 0 is the causal pass."""
+    from specrt.export.eagle3 import load_eagle3
+    from specrt.export.model import from_hf
+    from specrt.export.train.train_eagle3 import ttt_passes
+    name, gen, model, ckpt = published
+    eager = load_eagle3(ckpt, from_hf(model, MAX_LEN), LAYOUTS[name][4])
+    prompt = [3, 9, 1, 40, 22, 7, 5, 12, 30, 2]
+    S, e = len(prompt) - 1, gen.eagle
+    aux, ids = target_aux(model, prompt, LAYOUTS[name][5])[:S][None], torch.tensor(prompt[1:])[None]
+    with torch.no_grad():
+        fused = eager.fuse(torch.zeros(1, S, 32), aux)
+        passes = ttt_passes(eager, fused, ids, 3)
+        assert torch.allclose(passes[0], eager.train_forward(fused, ids), atol=1e-5)
+    for k in (1, 2):
+        c = S - 1 - k                                     # the last committed slot; level k sits at slot S − 1
+        cache = e.new_cache(1, MAX_LEN)
+        out = e.forward(ids[:, :c + 1], torch.arange(c + 1)[None], cache.past_len, chain_mask(1, c + 1), c + 1,
+                        cache, features=torch.zeros(1, c + 1, 32), aux=aux[:, :c + 1].contiguous())
+        for j in range(1, k + 1):
+            cache.write(out.new_kv)
+            cache.past_len += out.hidden.shape[1]
+            out = e.forward(ids[:, c + j:c + j + 1], torch.tensor([[c + j]]), cache.past_len, chain_mask(1, 1), 1,
+                            cache, features=out.hidden[:, -1:].clone(), aux=torch.zeros(1, 1, 96))
+            assert torch.allclose(out.hidden[0, 0], passes[j][0, c + j], atol=1e-4), (k, j)
+
+
 def test_draft_ids_map_through_d2t(published, monkeypatch):
     """The first tree level is the drafter's top draft ids, each mapped to target id draft id + d2t[draft id]: the
     scattered map sends them all over the vocabulary (an unmapped id would be the draft id itself)."""
@@ -441,6 +469,14 @@ def test_train_eagle3_end_to_end(tmp_path):
     again = []
     train_eagle3(str(tmp_path / "src"), tmp_path / "drafter", steps=20, log=again.append, **opts)
     assert again[0] == "resumed at step 20"
+    from safetensors.torch import load_file   # --init: a warm start from those weights (lr 0 keeps them)
+    warm = train_eagle3(str(tmp_path / "src"), tmp_path / "warm", steps=1, log=lambda *_: None,
+                        **{**opts, "lr": 0.0, "init": str(out)})
+    before, after = load_file(out / "model.safetensors"), load_file(warm / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(InputError, match="draft vocabulary differ"):
+        train_eagle3(str(tmp_path / "src"), tmp_path / "other", steps=1, log=lambda *_: None,
+                     **{**opts, "kept_vocab": 40, "init": str(out)})
     export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
                    eagle=str(out))
     build(tmp_path / "engines", "onnxruntime", log=lambda *_: None)

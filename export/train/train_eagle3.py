@@ -9,9 +9,13 @@ them when the target's vocabulary is smaller); the LM head starts from the targe
 norm from the target's.
 
 Slot t reads fc(aux_t) and token t + 1 and learns the target's distribution of token t + 2 over the draft ids (soft
-cross-entropy against its top-16; EAGLE-3 has no feature loss). Training-time test, simplified as in
-train_eagle: --unroll − 1 more passes read the drafter's own outputs of the pass before (detached, slot t the
-output of slot t − 1) in place of fc(aux), weighted 0.8^k, as tree levels below the first do.
+cross-entropy against its top-16; EAGLE-3 has no feature loss). Training-time test (the EAGLE-3 authors'): --unroll
+− 1 more passes read the drafter's own outputs of the pass before (detached, slot t the output of slot t − 1) in
+place of fc(aux), weighted 0.8^k, as tree levels below the first do; and they attend as those levels do at draft
+time (see `ttt_passes`): over the first pass's keys up to slot t − k (the committed prefix, made from the target's
+features) and over their own chain of ancestors, one key per pass.
+--init DIR starts from an EAGLE-3 drafter's weights (same target, layers and draft vocabulary) instead of from
+random ones.
 A checkpoint is saved every --save-every steps in --work; rerun the same command to resume. The drafter goes to
 --out in the published layout (config.json + model.safetensors) with a model card (README.md) and training.json.
 
@@ -56,9 +60,10 @@ class Eagle3TrainConfig:
     max_minutes: float = 0.0     # stop (checkpointed) after this long; rerun to go on. 0: no limit
     seed: int = 0
     device: str = "cpu"
+    init: str = ""               # an EAGLE-3 drafter to start from (same target, layers, draft vocabulary)
 
 
-RESUME_KEYS = ("target", "layers", "kept_vocab", "batch_tokens", "lr", "warmup", "unroll", "seed")   # a larger
+RESUME_KEYS = ("target", "layers", "kept_vocab", "batch_tokens", "lr", "warmup", "unroll", "seed", "init")   # a larger
 # --steps trains on
 
 
@@ -201,18 +206,42 @@ def token_loss(model: Eagle3Model, hidden, t_idx, t_val, mask) -> tuple[torch.Te
     return loss, agree
 
 
+def ttt_passes(model: Eagle3Model, fused, ids, unroll: int) -> list[torch.Tensor]:
+    """The training-time test's passes over whole sequences -> the layer's outputs of each pass [(B, S, d)].
+
+    Pass 0 reads fused (B, S, d) (fc of the target's aux states) with causal attention. Pass k > 0 stands for tree
+    level k: slot t reads the output of slot t − 1 of pass k − 1 (detached) and attends as level k does at draft
+    time, where its node sits at position t = c + k after the last committed position c: to pass 0's keys at
+    slots ≤ t − k (the drafter's cache, made from the target's features) and to pass j's key at slot t − k + j for
+    j = 1..k (its ancestors in the tree, and itself)."""
+    from specrt.export.model import rope
+    layer, a = model.midlayer, model.args
+    att, (B, S, _) = layer.self_attn, fused.shape
+    cos, sin, emb = model.rope_cos[:S], model.rope_sin[:S], model.embed_tokens(ids)
+    t = torch.arange(S, device=fused.device)
+    keys, values, outs = [], [], []
+    for k in range(unroll):
+        feature = fused if k == 0 else torch.cat([fused[:, :1], outs[-1][:, :-1].detach()], 1)
+        x, residual = layer.attention_input(emb, feature)                       # (B, S, 2d), (B, S, d)
+        q = rope(att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2), cos, sin)
+        keys.append(rope(att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2), cos, sin))
+        values.append(att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2))
+        mask = torch.cat([t[None] <= t[:, None] - k] + [t[None] == t[:, None] - k + j for j in range(1, k + 1)], 1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
+                                                             attn_mask=mask, enable_gqa=True)   # (B, H, S, D)
+        h = residual + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+        outs.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+    return outs
+
+
 def step_loss(model: Eagle3Model, batch, unroll: int) -> tuple[torch.Tensor, dict]:
     aux, ids, t_idx, t_val, mask = batch
     fused = model.fuse(torch.zeros_like(aux[..., :model.config.hidden_size]), aux)  # (b, S, d)
-    hidden = model.train_forward(fused, ids)
-    loss, agree = token_loss(model, hidden, t_idx, t_val, mask)
-    stats = {"agreement": agree}
-    for k in range(1, unroll):   # slot t reads the output of slot t − 1 of the pass before (its predicted feature)
-        own = torch.cat([fused[:, :1], hidden[:, :-1].detach()], 1)
-        hidden = model.train_forward(own, ids)
-        loss_k, agree_k = token_loss(model, hidden, t_idx, t_val, mask)
+    loss, stats = 0.0, {}
+    for k, hidden in enumerate(ttt_passes(model, fused, ids, unroll)):
+        loss_k, agree = token_loss(model, hidden, t_idx, t_val, mask)
         loss = loss + 0.8 ** k * loss_k
-        stats[f"own{k}_agreement"] = agree_k
+        stats["agreement" if k == 0 else f"own{k}_agreement"] = agree
     return loss, stats
 
 
@@ -249,6 +278,8 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
         index = torch.arange(V) if kept is None else torch.tensor(kept)
         model.lm_head.weight.copy_(target.lm_head.weight.index_select(0, index))
         model.norm.weight.copy_(target.model.norm.weight)
+    if cfg.init:
+        _start_from(model, cfg.init, target)
     del src, target
     model = model.to(cfg.device).train()
     remap = torch.arange(V) if kept is None else torch.full((V,), -1, dtype=torch.long)
@@ -264,7 +295,7 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False, map_location=cfg.device)
-        made = {k: saved["config"].get(k) for k in RESUME_KEYS}
+        made = {k: saved["config"].get(k, getattr(Eagle3TrainConfig, k)) for k in RESUME_KEYS}
         if made != {k: getattr(cfg, k) for k in RESUME_KEYS}:
             raise InputError(f"{ckpt} was made with other settings ({made}): delete it to start over, or pass "
                              "another --work")
@@ -309,6 +340,21 @@ def train(cfg: Eagle3TrainConfig, log=print) -> Path:
     if state["step"] < cfg.steps:
         log(f"stopped by --max-minutes at step {state['step']}/{cfg.steps}; rerun the command to resume")
     return _write(cfg, model.cpu().eval(), state, rows, layers, len(train_ids), len(val))
+
+
+def _start_from(model: Eagle3Model, directory: str, target) -> None:
+    """Load --init's trained weights into `model`; refused where its layers or draft vocabulary differ."""
+    from specrt.errors import InputError
+    from specrt.export.eagle3 import load_eagle3
+    init = load_eagle3(directory, target)
+    for what, mine, theirs in (("layers", model.aux_layers, init.aux_layers),
+                               ("draft vocabulary", model.draft_ids, init.draft_ids)):
+        same = mine == theirs if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor) else \
+            mine.shape == theirs.shape and bool((mine == theirs).all())
+        if not same:
+            raise InputError(f"--init {directory}: its {what} differ from this run's (pass the same --layers and "
+                             "--kept-vocab over the same data, or drop --init)")
+    model.load_state_dict({k: v.float() for k, v in init.trained_state().items()}, strict=False)
 
 
 def _cpu_bf16() -> bool:
