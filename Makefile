@@ -121,9 +121,10 @@ train-eagle: train-data
 	$(TRAIN) eagle --target smollm2-135m --data $(DISTILL) --work build/eagle-train --out $(EAGLE) \
 	    --vocab-from export/drafters/$(DRAFT) --max-minutes 120
 
-# EAGLE-3 (not shipped: held-out agreement 0.51 / 0.34 / 0.30 after 900 steps, below the EAGLE drafter's): the hidden states entering target layers 2, 15 and
-# 27 at every position of the same data (bf16, cached in build/eagle3-train/features), then one decoder layer over
-# [embedding; fc(those three)] learns the target's next-token distribution over the 12,288 ids it writes most.
+# EAGLE-3 (not shipped: 1.96–2.02 tokens a round against the EAGLE drafter's 2.28, docs/notes/2026-12-history.md):
+# the hidden states entering target layers 2, 15 and 27 at every position of the same data (bf16, cached in
+# build/eagle3-train/features), then one decoder layer over [embedding; fc(those three)] learns the target's
+# next-token distribution over the 12,288 ids it writes most.
 train-eagle3: train-data
 	$(TRAIN) eagle3 --target smollm2-135m --data $(DISTILL) --work build/eagle3-train --out build/eagle3-smollm2 \
 	    --steps 900 --lr 5e-4 --max-minutes 120

@@ -339,6 +339,16 @@ def pad_id(src) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else (src.eos_token_ids or [0])[0]
 
 
+def padded(rows: list[dict], batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's rows padded at the end: token ids (b, S) and the attention mask (b, S), S = the longest row."""
+    lengths = [len(rows[i]["ids"]) for i in batch]
+    ids, mask = torch.zeros(len(batch), max(lengths), dtype=torch.long), torch.zeros(len(batch), max(lengths),
+                                                                                       dtype=torch.long)
+    for b, (i, n) in enumerate(zip(batch, lengths)):
+        ids[b, :n], mask[b, :n] = torch.tensor(rows[i]["ids"]), 1
+    return ids, mask
+
+
 def user_prefix(tok) -> str:
     """What precedes a user's request: the chat template's user-turn prefix ("" without a template)."""
     if not tok.chat_template:

@@ -75,6 +75,7 @@ def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
     from rich.progress import Progress
 
     from specrt.export.sources import load_source
+    from specrt.export.train.data import padded
     path = Path(cfg.work) / "features.pt"
     feats = torch.load(path) if path.is_file() else []
     if len(feats) >= len(rows):
@@ -89,10 +90,7 @@ def features(cfg: EagleTrainConfig, rows: list[dict]) -> list[torch.Tensor]:
                 raise FeaturesUnfinished(f"the features' time budget ran out with {len(feats)} of {len(rows)} rows "
                                          "done (they are kept); rerun to go on")
             batch = todo[s:s + 16]
-            S = max(len(rows[i]["ids"]) for i in batch)
-            ids = torch.zeros(len(batch), S, dtype=torch.long)
-            for b, i in enumerate(batch):
-                ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
+            ids, _ = padded(rows, batch)
             h = model(input_ids=ids.to(cfg.device)).last_hidden_state.cpu()       # (b, S, d), causal: pad last
             feats += [h[b, :len(rows[i]["ids"])].half().clone() for b, i in enumerate(batch)]
             bar.advance(task, len(batch))

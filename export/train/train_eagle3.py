@@ -112,6 +112,8 @@ def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, .
     import copy
 
     from rich.progress import Progress
+
+    from specrt.export.train.data import padded
     folder = Path(cfg.work) / "features"
     folder.mkdir(parents=True, exist_ok=True)
     feats = [f for shard in sorted(folder.glob("*.pt")) for f in torch.load(shard, weights_only=True)]
@@ -130,10 +132,7 @@ def features(cfg: Eagle3TrainConfig, src, rows: list[dict], layers: tuple[int, .
             while todo and len(batch) < 32 and (len(batch) + 1) * max(len(rows[i]["ids"]) for i in
                                                                       (*batch, todo[0])) <= cfg.batch_tokens:
                 batch.append(todo.pop(0))
-            S = max(len(rows[i]["ids"]) for i in batch)
-            ids = torch.zeros(len(batch), S, dtype=torch.long)
-            for b, i in enumerate(batch):
-                ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
+            ids, _ = padded(rows, batch)
             out = runner(ids.to(cfg.device), output_hidden_states=True)                 # causal: padding last
             aux = torch.cat([out.hidden_states[j] for j in layers], -1).half().cpu()  # (b, S, k*d)
             for b, i in enumerate(batch):

@@ -93,6 +93,7 @@ def features(cfg: MedusaConfig) -> dict:
 def _hidden_states(cfg: MedusaConfig, rows: list[dict], first: int) -> dict:
     """The features of rows `first`.. (see `features`)."""
     from specrt.export.sources import load_source
+    from specrt.export.train.data import padded
     from specrt.export.train.train_draft import load_labels
 
     teacher = load_labels(cfg.data)
@@ -112,12 +113,7 @@ def _hidden_states(cfg: MedusaConfig, rows: list[dict], first: int) -> dict:
         task = bar.add_task("target hidden states", total=len(order))
         for s in range(0, len(order), 32):
             batch = order[s:s + 32]
-            S = max(len(rows[i]["ids"]) for i in batch)
-            ids = torch.zeros(len(batch), S, dtype=torch.long)
-            mask = torch.zeros(len(batch), S, dtype=torch.long)
-            for b, i in enumerate(batch):
-                ids[b, :len(rows[i]["ids"])] = torch.tensor(rows[i]["ids"])
-                mask[b, :len(rows[i]["ids"])] = 1
+            ids, mask = padded(rows, batch)
             h = model(input_ids=ids.to(cfg.device), attention_mask=mask.to(cfg.device)
                       ).last_hidden_state.float().cpu()                                 # (b, S, d)
             for b, i in enumerate(batch):
