@@ -117,15 +117,20 @@ class EagleModel(nn.Module):
                         proj.bias.zero_()
 
 
+def attention_qkv(att: nn.Module, x, cos, sin, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafter layer's queries (B, H, S, D), keys and values (B, Hkv, S, D) of x (B, S, w), rotary applied."""
+    B, S, _ = x.shape
+    q = att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)
+    k = att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    v = att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
 def causal_attention(att: nn.Module, x, cos, sin, a) -> torch.Tensor:
     """A drafter layer's attention over whole sequences, differentiable: x (B, S, w) -> o_proj's output (B, S, d)."""
-    B, S, _ = x.shape
-    q = att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2)        # (B, H, S, D)
-    k = att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
-    v = att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)     # (B, Hkv, S, D)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
-    y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return att.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+    y = nn.functional.scaled_dot_product_attention(*attention_qkv(att, x, cos, sin, a), is_causal=True,
+                                                   enable_gqa=True)
+    return att.o_proj(y.transpose(1, 2).flatten(2))
 
 
 def new_eagle(target: SpecModel, vocab_subset: list[int] | None = None, seed: int = 0,

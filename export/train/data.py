@@ -342,8 +342,8 @@ def pad_id(src) -> int:
 def padded(rows: list[dict], batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's rows padded at the end: token ids (b, S) and the attention mask (b, S), S = the longest row."""
     lengths = [len(rows[i]["ids"]) for i in batch]
-    ids, mask = torch.zeros(len(batch), max(lengths), dtype=torch.long), torch.zeros(len(batch), max(lengths),
-                                                                                       dtype=torch.long)
+    ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for b, (i, n) in enumerate(zip(batch, lengths)):
         ids[b, :n], mask[b, :n] = torch.tensor(rows[i]["ids"]), 1
     return ids, mask

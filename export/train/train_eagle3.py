@@ -63,8 +63,8 @@ class Eagle3TrainConfig:
     init: str = ""               # an EAGLE-3 drafter to start from (same target, layers, draft vocabulary)
 
 
-RESUME_KEYS = ("target", "layers", "kept_vocab", "batch_tokens", "lr", "warmup", "unroll", "seed", "init")   # a larger
-# --steps trains on
+# the settings a checkpoint resumes under (a larger --steps trains on)
+RESUME_KEYS = ("target", "layers", "kept_vocab", "batch_tokens", "lr", "warmup", "unroll", "seed", "init")
 
 
 def target_rows(cfg: Eagle3TrainConfig, src) -> list[dict]:
@@ -213,22 +213,21 @@ def ttt_passes(model: Eagle3Model, fused, ids, unroll: int) -> list[torch.Tensor
     time, where its node sits at position t = c + k after the last committed position c: to pass 0's keys at
     slots ≤ t − k (the drafter's cache, made from the target's features) and to pass j's key at slot t − k + j for
     j = 1..k (its ancestors in the tree, and itself)."""
-    from specrt.export.model import rope
-    layer, a = model.midlayer, model.args
-    att, (B, S, _) = layer.self_attn, fused.shape
+    from specrt.export.eagle import attention_qkv
+    layer, S = model.midlayer, fused.shape[1]
     cos, sin, emb = model.rope_cos[:S], model.rope_sin[:S], model.embed_tokens(ids)
     t = torch.arange(S, device=fused.device)
     keys, values, outs = [], [], []
     for k in range(unroll):
         feature = fused if k == 0 else torch.cat([fused[:, :1], outs[-1][:, :-1].detach()], 1)
         x, residual = layer.attention_input(emb, feature)                       # (B, S, 2d), (B, S, d)
-        q = rope(att.q_proj(x).view(B, S, a.num_heads, a.head_dim).transpose(1, 2), cos, sin)
-        keys.append(rope(att.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2), cos, sin))
-        values.append(att.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2))
+        q, key, value = attention_qkv(layer.self_attn, x, cos, sin, model.args)
+        keys.append(key)
+        values.append(value)
         mask = torch.cat([t[None] <= t[:, None] - k] + [t[None] == t[:, None] - k + j for j in range(1, k + 1)], 1)
         y = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
                                                              attn_mask=mask, enable_gqa=True)   # (B, H, S, D)
-        h = residual + att.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+        h = residual + layer.self_attn.o_proj(y.transpose(1, 2).flatten(2))
         outs.append(h + layer.mlp(layer.post_attention_layernorm(h)))
     return outs
 
@@ -348,9 +347,8 @@ def _start_from(model: Eagle3Model, directory: str, target) -> None:
     init = load_eagle3(directory, target)
     for what, mine, theirs in (("layers", model.aux_layers, init.aux_layers),
                                ("draft vocabulary", model.draft_ids, init.draft_ids)):
-        same = mine == theirs if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor) else \
-            mine.shape == theirs.shape and bool((mine == theirs).all())
-        if not same:
+        tensors = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+        if not (torch.equal(mine, theirs) if tensors else mine == theirs):
             raise InputError(f"--init {directory}: its {what} differ from this run's (pass the same --layers and "
                              "--kept-vocab over the same data, or drop --init)")
     model.load_state_dict({k: v.float() for k, v in init.trained_state().items()}, strict=False)
