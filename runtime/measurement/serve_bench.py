@@ -30,8 +30,9 @@ from specrt.measurement.rss import process_rss_bytes
 
 @contextmanager
 def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_s: float = 10):
-    """`specrt serve ENGINES *args` on a free port until /health answers; yields (base URL, its process id). At the
-    end SIGTERM, and SIGKILL if it has not exited stop_s seconds later."""
+    """`specrt serve ENGINES *args` on a free port until /health answers (with --replicas, until its log says that
+    every replica serves); yields (base URL, its process id). At the end SIGTERM, and SIGKILL if it has not exited
+    stop_s seconds later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,9 +49,11 @@ def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_
                 raise InputError(f"the server gave no /health in {wait_s:.0f} s: {Path(log_path).read_text()[-1500:]}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
+                    if "--replicas" not in args or _replicas_ready(log_path):
+                        break
             except OSError:
-                time.sleep(0.3)
+                pass
+            time.sleep(0.3)
         yield url, proc.pid
     finally:
         proc.terminate()
@@ -59,6 +62,11 @@ def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _replicas_ready(log_path: Path) -> bool:
+    from specrt.serving.replicas import READY
+    return READY in Path(log_path).read_text(errors="replace")
 
 
 def stream_request(url: str, prompt: str, max_tokens: int, began: threading.Event | None = None) -> dict:

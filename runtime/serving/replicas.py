@@ -42,6 +42,8 @@ REPLICA_HEADER = "x-specrt-replica"   # which replica answered: host:pid
 HUB = "specrt-metrics"   # the MetricsHub actor's name (namespace "specrt")
 PUSH_S = 1.0             # how often a replica sends its metrics to the hub
 GONE_S = 15.0            # a replica not heard from for this long has gone: its figures leave /metrics
+READY = "replicas ready at"   # `specrt serve --replicas` prints it once every replica serves (before, /health may be
+# answered by the first replica up while Serve still routes every request to it)
 
 
 @dataclass
@@ -236,7 +238,11 @@ def run(config: ReplicaConfig, host: str, port: int, replicas: int, autoscale: t
     signal.signal(signal.SIGTERM, stop)   # SIGTERM as Ctrl-C (after Ray's own): the replicas and Ray stop too
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build(config, replicas, autoscale), name="specrt", route_prefix="/", blocking=True)
+        # not blocking: it returns once every replica runs, and then says so
+        serve.run(build(config, replicas, autoscale), name="specrt", route_prefix="/", blocking=False)
+        count = f"{autoscale[0]} to {autoscale[1]}" if autoscale else str(replicas)
+        print(f"specrt: {count} {READY} http://{host}:{port} (Ctrl-C stops them)", flush=True)
+        signal.pause()
     except KeyboardInterrupt:
         pass
     finally:
