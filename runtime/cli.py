@@ -254,14 +254,15 @@ def _summary(s: dict) -> None:
 @datastore_option
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
 @click.option("--max-new-tokens", default=48, show_default=True, help="Tokens per prompt in the greedy check.")
-@click.option("--samples", default=2000, show_default=True,
-              help="Sequences drawn for the statistical test (0 skips it).")
+@click.option("--samples", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="Sequences drawn for the statistical test (0 skips it: the verdict is then NOT TESTED).")
 @click.option("--depth", default=3, show_default=True, help="Tokens per sampled sequence.")
 @click.option("--temperature", default=0.7, show_default=True)
 @click.option("--top-k", default=20, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--gamma", default=2, show_default=True)
-@click.option("--alpha", default=0.001, show_default=True, help="Significance level of each test.")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.001,
+              show_default=True, help="Significance level of each test, between 0 and 1.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @acceptance_option(" verify checks exact acceptance only: typical is refused.")
@@ -271,8 +272,9 @@ def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, sample
     identical (chi-square against the exact target distribution; p-values printed).
 
     \b
-    Exit status: 0 PASS, 1 FAIL, 3 NOT TESTED (a check that was asked for could not run: no greedy prompt, or no
-    prefix whose next token has two outcomes likely enough to count; the output says which and why)."""
+    Exit status: 0 PASS (both checks ran and passed), 1 FAIL, 3 NOT TESTED (a check did not run: no greedy prompt,
+    --samples 0, or no prefix whose next token has two outcomes likely enough to count; the output says which and
+    why)."""
     from specrt.measurement.bench import load_prompts
     from specrt.measurement.check import Report, check_greedy, check_sampling
     from specrt.decoding.generate import Generator
@@ -288,7 +290,7 @@ def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, sample
             prompts = [gen.encode(p.text) for p in load_prompts(None, n)]
         else:  # engines without a tokenizer: short repeating id prompts
             prompts = [[1 + i, 2 + i, 3 + i, 1 + i, 2 + i] for i in range(n)]
-        report = Report(sampling=samples > 0)
+        report = Report()
         click.echo(f"greedy: {method} (gamma {gamma}) vs the target alone, {num_prompts} prompts x "
                    f"{max_new_tokens} tokens")
         kw = {"tree": True} if tree else {}
@@ -304,6 +306,7 @@ def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, sample
             click.echo(f"  prompt {i + 1}: {row['tokens']} tokens, {detail}")
         if samples == 0:
             click.echo("sampling: skipped (--samples 0)")
+            report.untested.append("sampling: --samples 0")
         else:
             click.echo(f"sampling: {samples} sequences of {depth} tokens at temperature {temperature}, top-k "
                        f"{top_k}, top-p {top_p}; chi-square of the next token at the most frequent prefixes")
@@ -323,7 +326,7 @@ def verify(engines, method, tree, datastore, num_prompts, max_new_tokens, sample
         what = []
         if not report.greedy:
             what.append("the greedy output")
-        if report.sampling and not report.tests:
+        if not report.tests:
             what.append("the sampled distribution (no chi-square test ran)")
         click.echo(f"NOT TESTED: {' and '.join(what)}; raise --prompts, --samples, --depth, --temperature or "
                    "--top-k")

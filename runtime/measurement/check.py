@@ -6,8 +6,8 @@
    next token's counts are compared (chi-square) with the exact target distribution at that prefix. A sequence
    that ends at an end-of-sequence token keeps it as the outcome at its position (nothing follows it).
 
-The verdict is PASS only where both checks ran: a check that could not run (no prompt, or no prefix whose next
-token has two outcomes likely enough to count) is reported as not tested, never as passed.
+The verdict is PASS only where both checks ran: a check that did not run (no prompt, no samples asked for, or no
+prefix whose next token has two outcomes likely enough to count) is reported as not tested, never as passed.
 """
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ class Report:
     greedy: list[dict] = field(default_factory=list)
     tests: list[dict] = field(default_factory=list)       # the chi-square tests that ran
     untested: list[str] = field(default_factory=list)     # what could not be tested, and why
-    sampling: bool = True                                 # the sampling check was asked for
 
     @property
     def verdict(self) -> str:
-        """FAIL where a check found a difference; NOT TESTED where a check asked for could not run; else PASS."""
+        """FAIL where a check found a difference; NOT TESTED where either check did not run, whatever the reason
+        (none asked for, or none could run); else PASS."""
         if not all(g["ok"] for g in self.greedy) or any(t["p_value"] <= t["alpha"] for t in self.tests):
             return "FAIL"
-        if not self.greedy or (self.sampling and not self.tests):
+        if not self.greedy or not self.tests:
             return "NOT TESTED"
         return "PASS"
 
