@@ -13,7 +13,7 @@ from specrt.engines.base import StepOutput
 from specrt.decoding.drafters import _arange, chain_mask
 from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
-from specrt.decoding.sampling import SamplingParams, argmax, probs, sample
+from specrt.decoding.sampling import SamplingParams, argmax, check_logprobs, probs, sample, token_logprobs
 from specrt.decoding.run import AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, Generation, _Joining, _Row, _Run
 
 log = logging.getLogger(__name__)
@@ -78,18 +78,24 @@ class Batch:
         gen.engine_time = 0.0
 
     # ---- rows in and out ----------------------------------------------------------------------------------
-    def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+    def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
+            logprobs: int | None = None) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies)
+        self.join(ids, max_new_tokens, owner, copies, logprobs)
         while self.joining:
             self.prefill()
 
-    def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1) -> None:
+    def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
+             logprobs: int | None = None) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
-        the caller's handle for the rows, or a sequence of one per row. Bad requests are refused here."""
-        self.joining.append(self._reserve(ids, max_new_tokens, owner, copies))
+        the caller's handle for the rows, or a sequence of one per row. `logprobs`: each new token's log-probability
+        and this many alternatives are kept (`_Row.logprobs`; None: not). Bad requests are refused here."""
+        check_logprobs(logprobs)
+        joining = self._reserve(ids, max_new_tokens, owner, copies)
+        joining.logprobs = logprobs
+        self.joining.append(joining)
 
     @property
     def taken(self) -> int:
@@ -190,7 +196,7 @@ class Batch:
         r, m, copies = run.batch, len(j.ids), j.copies
         if j.row != r:   # rows retired while it was prefilled
             self._place()
-        run.rows += [_Row(o, m, j.max_new) for o in j.owners]
+        run.rows += [_Row(o, m, j.max_new, logprobs_top=j.logprobs) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
@@ -199,6 +205,10 @@ class Batch:
             run.pool.copy_row(r, r + c, m)
         logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        if j.logprobs is not None:
+            firsts = first.tolist()
+            run.round_logprobs = {r + c: token_logprobs(logits[c:c + 1], firsts[c:c + 1], run.params, j.logprobs)
+                                  for c in range(copies)}
         hidden = out.hidden[:, -1].expand(copies, -1)
         run.hidden = torch.cat([run.hidden[:r], hidden]) if r else hidden.clone()     # (B, d)
         if self.drafter is not None:
@@ -380,7 +390,8 @@ class Batch:
         text = None
         if self.gen.tokenizer is not None:
             text = [self.gen.tokenizer.decode(t, skip_special_tokens=True) for t in new]
-        return Generation(new, text, stats)
+        logprobs = [r.logprobs for r in rows] if any(r.logprobs_top is not None for r in rows) else None
+        return Generation(new, text, stats, logprobs)
 
 
 class Detokenizer:

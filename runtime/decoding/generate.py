@@ -19,7 +19,7 @@ from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDraf
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
-from specrt.decoding.sampling import probs
+from specrt.decoding.sampling import probs, token_logprobs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
 from specrt.decoding.batch import Batch, Detokenizer
@@ -219,7 +219,7 @@ class Generator:
                  seed: int | None = None, num_return_sequences: int = 1, method: str = AUTO,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
-                 adaptive: bool = True, acceptance: str = "exact") -> Generation:
+                 adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -232,10 +232,12 @@ class Generator:
         speculates in every round that has room. `acceptance`: "exact" (the default: the target's distribution) or
         "typical" (Medusa's typical acceptance: drafts the target finds likely enough are accepted; more tokens a
         round at temperature > 0, but NOT the target's distribution; greedy at temperature 0). The stats say which
-        (`acceptance`, `distribution_preserving`)."""
+        (`acceptance`, `distribution_preserving`). `logprobs=N`: `Generation.logprobs` holds each new token's
+        log-probability under the target's distribution it was drawn from (after temperature, top-k and top-p) and
+        the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them."""
         rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
-                              adaptive, acceptance)
+                              adaptive, acceptance, logprobs)
         while True:
             try:
                 next(rounds)
@@ -253,16 +255,20 @@ class Generator:
             raise InputError("stream() takes one prompt; use generate() for a batch of prompts")
         rounds, text = self._rounds(prompt, prompt_ids, **options), Detokenizer(self.tokenizer)
         threads = torch.get_num_threads()   # the caller's, while it holds control
+        want = options.get("logprobs") is not None
         while True:
+            sent = text.count
             try:
                 run = next(rounds)
                 ids, stats = run.new_tokens(0) if run.batch else [], None
+                lps = run.rows[0].logprobs[sent:sent + len(ids)] if run.batch else []
             except StopIteration as done:
-                ids, stats = done.value.token_ids[0][text.count:], done.value.stats
+                ids, stats = done.value.token_ids[0][sent:], done.value.stats
+                lps = done.value.logprobs[0][sent:] if want else []
             if ids or stats is not None:
                 loop_threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
-                yield Chunk(ids, text.feed(ids, final=stats is not None), stats)
+                yield Chunk(ids, text.feed(ids, final=stats is not None), stats, lps if want else None)
                 torch.set_num_threads(loop_threads)
             if stats is not None:
                 return
@@ -276,7 +282,7 @@ class Generator:
                 top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
                 method: str = AUTO, gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
-                acceptance: str = "exact"):
+                acceptance: str = "exact", logprobs: int | None = None):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -294,7 +300,7 @@ class Generator:
                                tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance)
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
-                batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n)
+                batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs)
             prefill_time = time.perf_counter() - started
             outputs: list = [None] * (len(prompts) * n)
             while True:
@@ -461,6 +467,7 @@ class Generator:
                 rows = verification.typical_host(logits, tokens, width, params.temperature, u) if params.typical \
                     else verification.sampled_host(logits, tokens, width, q, params.temperature, u)
                 accepted = [r[0] + 1 for r in rows]
+            self._logprobs(run, logits, rows, path)
             cache.write(out.host_kv(), past, accepted)   # the accepted path's entries only, in order
             run.after_pass(out, path, [r[0] for r in rows])
             return rows
@@ -486,7 +493,21 @@ class Generator:
                          1).tolist()   # the read: the commit rows, then a tree's accepted node ids (the drafters')
         cut = 3 + tokens.shape[1]
         run.host_pass = (None if path is None else [r[cut:] for r in read], [r[0] for r in read])
+        self._logprobs(run, out.logits, [r[:cut] for r in read], run.host_pass[0])
         return [r[:cut] for r in read]
+
+    @staticmethod
+    def _logprobs(run: _Run, logits, rows: list[list[int]], paths: list[list[int]] | None) -> None:
+        """The round's tokens' logprobs for the rows that asked for them, into run.round_logprobs (_account keeps
+        those it commits): row b's tokens (its accepted drafts, then the next token) are drawn from the pass's
+        logits at the accepted path's nodes (a chain's: positions 0 .. n)."""
+        run.round_logprobs = {}
+        for b, (row, (n, nxt, _w, _root, *drafts)) in enumerate(zip(run.rows, rows)):
+            if row.logprobs_top is None or not run.active[b]:
+                continue
+            nodes = list(range(n + 1)) if paths is None else paths[b][:n + 1]
+            run.round_logprobs[b] = token_logprobs(logits[b, nodes], drafts[:n] + [nxt], run.params,
+                                                   row.logprobs_top)
 
     def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
@@ -517,6 +538,8 @@ class Generator:
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
             if eos is not None:
                 new = new[:eos + 1]
+            if b in run.round_logprobs:
+                row.logprobs += run.round_logprobs[b][:len(new)]
             for tok in new:
                 tokens[b, length] = tok
                 length += 1
@@ -530,6 +553,7 @@ class Generator:
             run.lengths.copy_(torch.from_numpy(run.host_lengths), non_blocking=True)
         run.accepted += accepted
         run.proposed += proposed
+        run.round_logprobs = {}
         return accepted, proposed
 
     # ---- costs --------------------------------------------------------------------------------------------

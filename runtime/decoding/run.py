@@ -8,7 +8,7 @@ import torch
 
 from specrt.decoding import tuning
 from specrt.decoding.drafters import PassInputs
-from specrt.decoding.sampling import SamplingParams
+from specrt.decoding.sampling import SamplingParams, TokenLogprob
 
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle", "rest")
@@ -25,6 +25,7 @@ class Generation:
     token_ids: list[list[int]]      # new tokens, one list per returned sequence
     text: list[str] | None          # decoded, when the engine set has a tokenizer
     stats: dict
+    logprobs: list[list[TokenLogprob]] | None = None   # per sequence, one per new token (generate(logprobs=N))
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Chunk:
     token_ids: list[int]            # the new tokens
     text: str | None                # the text they complete (None without a tokenizer)
     stats: dict | None = None       # on the last chunk: generate()'s stats
+    logprobs: list[TokenLogprob] | None = None   # the new tokens' (stream(logprobs=N))
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Joining:
     row: int
     cache: object                   # the target cache's row `row` (a KVCache view)
     done: int = 0                   # prompt positions prefilled so far
+    logprobs: int | None = None     # report each new token's log-probability and this many alternatives
 
     @property
     def copies(self) -> int:
@@ -64,6 +67,8 @@ class _Row:
     proposed: int = 0
     drafts: int = 0                 # rounds that proposed tokens for it
     accepted_per_position: list[int] = field(default_factory=list)   # accepted draft tokens at each depth
+    logprobs_top: int | None = None  # None: no logprobs; else the alternatives reported per token
+    logprobs: list[TokenLogprob] = field(default_factory=list)       # one per new token, when asked for
 
 
 class _Run:
@@ -94,6 +99,7 @@ class _Run:
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.rounds = self.proposed = self.accepted = 0
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
+        self.round_logprobs: dict[int, list[TokenLogprob]] = {}   # row -> the round's tokens', for _account
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
         self._inputs: dict[tuple[int, int], PassInputs] = {}
         self.resize(0)

@@ -150,3 +150,36 @@ def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     u = torch.rand(total.shape, generator=generator, device=p.device, dtype=cdf.dtype) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
     return torch.searchsorted(cdf, u, right=True).view(p.shape[:-1])
+
+
+MAX_LOGPROBS = 20   # the most alternatives a token's logprobs list (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the distribution it was drawn from (the target's, after the
+    temperature, top-k and top-p: OpenAI's; at temperature 0 the target's plain softmax), and the `top` most likely
+    tokens there as (id, log-probability), most likely first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def check_logprobs(n: int | None) -> None:
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise InputError(f"logprobs {n}: the number of alternatives per token must be in [0, {MAX_LOGPROBS}] "
+                         "(None turns logprobs off)")
+
+
+def token_logprobs(logits, tokens: list[int], params: SamplingParams, top: int) -> list[TokenLogprob]:
+    """The TokenLogprobs of `tokens`, token i emitted from the target's logits row i (K, V) (a tensor or a numpy
+    view of the engine's buffer, read now)."""
+    x = torch.as_tensor(logits).float()                                                     # (K, V)
+    lp = torch.log_softmax(x, -1) if params.greedy else torch.log(probs(x, params))
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top:
+        best = torch.topk(lp, top, dim=-1)
+        pairs = [tuple(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
+    else:
+        pairs = [()] * len(tokens)
+    return [TokenLogprob(t, c, p) for t, c, p in zip(tokens, chosen, pairs)]
