@@ -446,6 +446,25 @@ def test_auto_follows_the_device_the_set_was_built_for(engine_sets):
         Generator.from_engines(cpu, device="cuda")   # whether or not this machine has CUDA
 
 
+def test_the_cuda_probe_is_asked_about_the_device_asked_for(engine_sets, monkeypatch):
+    """--device cuda:1 probes GPU 1 (its torch device and ONNX Runtime's provider on it), not GPU 0: the probe is
+    replaced by a recorder of the index it is asked about, the callers are real."""
+    import specrt.engines.base as base
+    _, cuda, _ = engine_sets
+    asked = []
+    monkeypatch.setattr(base, "cuda_missing", lambda index=0: asked.append(index) or "no such GPU here")
+    for requested in ("cuda", "cuda:1", "cuda:3"):
+        with pytest.raises(BackendError, match=f"--device {requested}: no such GPU here"):
+            pick_device(requested)
+    with pytest.raises(BackendError, match="--device cuda:2: no such GPU here"):
+        Generator.from_engines(cuda, device="cuda:2")
+    with pytest.raises(DeviceError, match="built for CUDA, and no such GPU here"):
+        Generator.from_engines(cuda)   # auto: the default GPU
+    assert asked == [0, 1, 3, 2, 0]
+    with pytest.raises(BackendError, match=r"--device 'cuda:x': expected cuda or cuda:N"):
+        pick_device("cuda:x")
+
+
 @pytest.mark.skipif(cuda_missing() is None, reason="this machine can run CUDA engines")
 def test_a_cuda_set_on_a_machine_without_cuda_is_a_named_error(engine_sets):
     """--device auto on a set built for CUDA, where there is none: a DeviceError that says what is missing and the

@@ -379,12 +379,12 @@ def bind_tensor(binding, kind: str, name: str, t: torch.Tensor, device: torch.de
 
 
 def pick_device(requested: str = "auto") -> str:
-    """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" where they cannot is an
-    error that says what is missing and the fix."""
+    """"auto": cuda where torch and ONNX Runtime can both use a GPU, else cpu. "cuda" or "cuda:N" where they cannot
+    use that GPU is an error that says what is missing and the fix."""
     if requested == "auto":
         return "cuda" if cuda_missing() is None else "cpu"
     if requested.split(":")[0] == "cuda":
-        missing = cuda_missing()
+        missing = cuda_missing(cuda_index(requested))
         if missing:
             raise BackendError(f"--device {requested}: {missing}")
         return requested
@@ -437,12 +437,23 @@ def engine_set_device(manifest: dict, directory, requested: str = "auto") -> str
 INSTALL_GPU = ": install the GPU extra (pip install 'specrt[gpu]') on a machine with an NVIDIA GPU, or use --device cpu"
 
 
+def cuda_index(device: str) -> int:
+    """The GPU a device string names: 0 for "cuda", N for "cuda:N"."""
+    index = device.partition(":")[2]
+    if index and not index.isdigit():
+        raise BackendError(f"--device {device!r}: expected cuda or cuda:N (N the index of a GPU)")
+    return int(index or 0)
+
+
 @functools.cache
-def cuda_missing() -> str | None:
-    """What keeps engines off the GPU here and its fix, or None. ONNX Runtime's CUDA provider is started once in a
-    one-node session: being listed among the available providers does not mean that it loads."""
+def cuda_missing(index: int = 0) -> str | None:
+    """What keeps engines off GPU `index` here and its fix, or None. ONNX Runtime's CUDA provider is started once
+    per GPU in a one-node session: being listed among the available providers does not mean that it loads."""
     if not torch.cuda.is_available():
         return "torch has no CUDA here (a CPU-only build, or no NVIDIA GPU/driver)" + INSTALL_GPU
+    if index >= torch.cuda.device_count():
+        return (f"torch sees {torch.cuda.device_count()} GPU(s) here, so there is no cuda:{index}: use an index below "
+                "that (CUDA_VISIBLE_DEVICES renumbers them from 0)")
     try:
         import onnxruntime as ort
     except ImportError:
@@ -450,7 +461,7 @@ def cuda_missing() -> str | None:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return ("onnxruntime has no CUDAExecutionProvider (the CPU wheel 'onnxruntime' is installed, not "
                 "'onnxruntime-gpu')" + INSTALL_GPU)
-    return cuda_provider_problem(ort)
+    return cuda_provider_problem(ort, index)
 
 
 def cuda_provider_problem(ort, device_id: int = 0) -> str | None:
