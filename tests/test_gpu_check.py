@@ -1,5 +1,6 @@
-"""`specrt gpu-check`: the whole check end to end on the CPU (tiny random models), its greedy comparison on two
-engine sets that differ, its refusal without a GPU, and the random target's shape against the real model's."""
+"""`specrt gpu-check`: the whole check end to end on the CPU (tiny random models), its CUDA path on the CPU with the
+values only a GPU gives recorded, its greedy comparison on two engine sets that differ, its refusal without a GPU,
+and the random target's shape against the real model's."""
 from __future__ import annotations
 
 import importlib.util
@@ -39,6 +40,34 @@ def test_gpu_check_on_the_cpu_writes_the_whole_report(tmp_path):
     assert [s["step"].split(":")[0].split(" ")[0] for s in report["steps"]][:3] == ["models", "export", "build"]
     assert report["skipped"] == [] and "speed" not in report   # speed targets are judged on CUDA only
     assert not (tmp_path / "gpu-check.json.tmp").exists()
+
+
+def test_gpu_check_cuda_path_runs_on_the_cpu_with_recorded_device_values(tmp_path):
+    """--device cuda end to end: CUDA engines built and checked for real, run on the CPU provider; only what a GPU
+    alone can say (nothing missing, free memory before and after the engines load, its name) is recorded numbers.
+    The CPU provider has no bfloat16 kernels: this device runs float32 and float16."""
+    from specrt.measurement.gpu_check import CheckConfig, Device, run_gpu_check
+    used = 3 * 2 ** 20
+    free = iter([80 * 2 ** 30, 80 * 2 ** 30 - used])   # bytes free on the device before and after the engines load
+    h200 = Device("cpu", missing=lambda: None, free_memory=lambda: next(free),
+                  info=lambda: {"gpu": "NVIDIA H200", "cuda": "12.8"}, dtypes=("float32", "float16"))
+    cfg = CheckConfig(device="cuda", tiny=True, prompts=2, max_new_tokens=8, context=16, reps=2, work=tmp_path / "w")
+    out = tmp_path / "gpu-check.json"
+    report = run_gpu_check(cfg, out, log=lambda _: None, gpu=h200)
+    assert report == json.loads(out.read_text()) and report["passed"] and report["device"] == "cuda"
+    assert (report["environment"]["gpu"], report["environment"]["cuda"]) == ("NVIDIA H200", "12.8")
+    weights = (tmp_path / "w" / "cuda-float32" / "target.cuda.weights").stat().st_size   # the shared weights file
+    assert report["target_memory"] == {"device_mb": 3.0, "weights_mb": round(weights / 2 ** 20, 1),
+                                       "over_weights": round(used / weights, 2)}
+    assert [s["step"] for s in report["steps"]][3] == "build cuda float32 engines"
+    assert all(m["ok"] for m in report["methods"].values()) and report["width_fallbacks"] == {
+        "target": {}, "draft": {}, "eagle": {}}
+    assert list(report["pass_times"]) == list(report["eagle_projection"]) == list(report["speed"]) == [
+        "float32", "float16"]
+    for dtype, speed in report["speed"].items():   # the issue's targets against the times measured here
+        limit = 4.0 if dtype == "float32" else 2.0
+        assert speed["k1_ms"] == report["pass_times"][dtype]["ms"]["1"] and speed["k1_ok"] == (speed["k1_ms"] <= limit)
+        assert speed["eagle_projected_speedup"] == report["eagle_projection"][dtype]["T=0"]["adaptive"]["speedup"]
 
 
 def test_greedy_rows_report_the_first_difference_and_its_logit_gap(tmp_path):

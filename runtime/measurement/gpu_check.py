@@ -13,6 +13,10 @@
 Each step prints a progress line; the JSON is rewritten after each, so a stopped run keeps what it measured.
 Steps past `budget_s` (pass times of the later dtypes) are skipped and listed. `device="cpu"` runs it all on the
 CPU (slow, but the same code), `tiny` on a tiny random model (about a minute on a laptop).
+
+What only a GPU can say (whether CUDA is usable, its free memory, its name) comes from a `Device`: `cuda_device`
+asks torch and ONNX Runtime; the tests give recorded values and run the CUDA engines on the CPU provider, so that
+every step of `--device cuda` runs without a GPU.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -57,10 +62,6 @@ class CheckConfig:
     work: Path | None = None       # engine sets are kept here (default: a temporary directory)
 
     @property
-    def dtypes(self) -> tuple[str, ...]:
-        return DTYPES if self.device == "cuda" else ("float32",)
-
-    @property
     def max_seq_len(self) -> int:
         return 2048 if not self.tiny else self.context + max(KS) + self.max_new_tokens * 2
 
@@ -87,17 +88,44 @@ class Progress:
         return self.elapsed() > self.budget_s
 
 
+# ---- the device -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    """The device the check runs on, and what only it can say (each called where the check needs it)."""
+    engines: str                               # where the engine sets run ("cpu" in the tests of the CUDA path)
+    missing: Callable[[], str | None]          # what keeps engines off it and the fix, or None
+    free_memory: Callable[[], int] | None      # bytes free on it once its queued work is done (None: not measured)
+    info: Callable[[], dict] = dict            # for the report's environment: the GPU's name, the CUDA version
+    dtypes: tuple[str, ...] = ("float32",)     # the engine dtypes whose passes are timed
+
+
+CPU = Device("cpu", missing=lambda: None, free_memory=None)
+
+
+def cuda_device(index: int = 0) -> Device:
+    """GPU `index` as torch and ONNX Runtime see it."""
+    from specrt.engines.base import cuda_missing
+
+    def free_memory() -> int:
+        torch.cuda.synchronize(index)
+        return torch.cuda.mem_get_info(index)[0]
+    return Device("cuda", missing=lambda: cuda_missing(index), free_memory=free_memory, dtypes=DTYPES,
+                  info=lambda: {"gpu": torch.cuda.get_device_name(index), "cuda": torch.version.cuda})
+
+
 # ---- sources ----------------------------------------------------------------------------------------------
-def check_device(device: str) -> None:
+def check_device(device: str, gpu: Device | None = None) -> Device:
+    """The Device of `--device` (`gpu`: the one to use for cuda), refused where CUDA is missing."""
     if device not in ("cpu", "cuda"):
         raise BackendError(f"--device {device!r}: expected cuda or cpu")
     if device == "cpu":
-        return
-    from specrt.engines.base import cuda_missing
-    missing = cuda_missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
+        return CPU
+    gpu = gpu or cuda_device()
+    missing = gpu.missing()   # ONNX Runtime's CUDA provider started for real: listed is not enough
     if missing:
         raise BackendError(f"gpu-check --device cuda needs an NVIDIA GPU, a CUDA build of torch and onnxruntime-gpu "
                            f"whose CUDA provider starts: {missing} (--device cpu runs the same check on the CPU)")
+    return gpu
 
 
 def _random_llama(shape: dict, directory: Path, seed: int):
@@ -212,14 +240,12 @@ def greedy_rows(reference, candidate, prompts: list[list[int]], n: int, refs: di
     return rows
 
 
-def target_memory(free_before: int, directory: Path) -> dict:
-    """Device memory the CUDA target took as it loaded (its dynamic and width sessions), against its weights file:
-    near 1× when the sessions share one copy of the weights, about one more per width graph if not."""
+def target_memory(used: int, directory: Path) -> dict:
+    """Device memory (`used` bytes) the CUDA target took as it loaded (its dynamic and width sessions), against its
+    weights file: near 1× when the sessions share one copy of the weights, about one more per width graph if not."""
     from specrt.engines.manifest import read_manifest
-    torch.cuda.synchronize()
-    used = free_before - torch.cuda.mem_get_info()[0]
     entry = read_manifest(directory)["models"]["target"]["engine"]
-    weights = (directory / entry["weights_file"]["file"]).stat().st_size
+    weights = sum((directory / d["file"]).stat().st_size for d in entry["data"])   # the weights file its graphs share
     return {"device_mb": round(used / 2 ** 20, 1), "weights_mb": round(weights / 2 ** 20, 1),
             "over_weights": round(used / weights, 2)}
 
@@ -319,30 +345,28 @@ def speed_summary(passes: dict, projections: dict) -> dict:
     return out
 
 
-def environment(device: str) -> dict:
+def environment(gpu: Device) -> dict:
     import onnxruntime as ort
-    env = {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": ort.__version__,
-           "providers": ort.get_available_providers(), "cpu_count": os.cpu_count()}
-    if device == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
-    return env
+    return {"python": platform.python_version(), "torch": torch.__version__, "onnxruntime": ort.__version__,
+            "providers": ort.get_available_providers(), "cpu_count": os.cpu_count(), **gpu.info()}
 
 
 # ---- the whole check --------------------------------------------------------------------------------------
-def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
+def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print, gpu: Device | None = None) -> dict:
     """Run every step (see the module docstring) and write the report to `out`; returns it. An exception is
-    recorded in the report (with the steps done before it) and raised again."""
-    check_device(cfg.device)
+    recorded in the report (with the steps done before it) and raised again. `gpu`: the device of --device cuda
+    (default: cuda_device())."""
+    gpu = check_device(cfg.device, gpu)
     out = Path(out)
     progress = Progress(log, cfg.budget_s)
     report = {"device": cfg.device, "config": {k: str(v) if isinstance(v, Path) else v
                                                for k, v in asdict(cfg).items()},
-              "environment": environment(cfg.device), "steps": progress.steps, "skipped": [], "passed": False}
+              "environment": environment(gpu), "steps": progress.steps, "skipped": [], "passed": False}
     with contextlib.ExitStack() as stack:
         work = cfg.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specrt-gpu-check-")))
         work.mkdir(parents=True, exist_ok=True)
         try:
-            _steps(cfg, report, progress, work, out)
+            _steps(cfg, gpu, report, progress, work, out)
         except Exception as e:
             report["error"] = f"{type(e).__name__}: {e}"
             raise
@@ -353,7 +377,7 @@ def run_gpu_check(cfg: CheckConfig, out: str | os.PathLike, log=print) -> dict:
     return report
 
 
-def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: Path) -> None:
+def _steps(cfg: CheckConfig, gpu: Device, report: dict, progress: Progress, work: Path, out: Path) -> None:
     from specrt.decoding.generate import Generator
     with progress.step("models: " + ("tiny random" if cfg.tiny else "default shapes")):
         src = sources(cfg, work)
@@ -366,10 +390,10 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
     sets = {}
     with progress.step(f"build {cfg.device} float32 engines"):
         sets["float32"] = build_copy(exported, work / f"{cfg.device}-float32", cfg.device, "float32", _quiet)
-        free = torch.cuda.mem_get_info()[0] if cfg.device == "cuda" else None
-        dev = Generator.from_engines(sets["float32"], device=cfg.device)
+        free = gpu.free_memory() if gpu.free_memory else None
+        dev = Generator.from_engines(sets["float32"], device=gpu.engines)
         if free is not None:
-            report["target_memory"] = target_memory(free, sets["float32"])
+            report["target_memory"] = target_memory(free - gpu.free_memory(), sets["float32"])
     report["width_fallbacks"] = width_fallbacks(dev)
     for role, got in report["width_fallbacks"].items():
         for w, why in got.items():
@@ -383,14 +407,14 @@ def _steps(cfg: CheckConfig, report: dict, progress: Progress, work: Path, out: 
     report["passed"] = all(r["ok"] for r in report["greedy"]) and all(m["ok"] for m in report["methods"].values())
     _write(out, report)
     report["pass_times"], report["eagle_projection"] = {}, {}
-    for dtype in cfg.dtypes:
+    for dtype in gpu.dtypes:
         if progress.over_budget():
             report["skipped"].append(f"{dtype} pass times: past the {cfg.budget_s:.0f} s budget")
             continue
         with progress.step(f"{dtype} pass times, k = {', '.join(map(str, KS))}"):
             if dtype not in sets:
                 sets[dtype] = build_copy(exported, work / f"{cfg.device}-{dtype}", cfg.device, dtype, _quiet)
-            gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=cfg.device)
+            gen = dev if dtype == "float32" else Generator.from_engines(sets[dtype], device=gpu.engines)
             report["pass_times"][dtype] = pass_times(gen, cfg.context, cfg.reps)
             if gen.has("eagle"):
                 got = report["eagle_projection"][dtype] = eagle_projection(
