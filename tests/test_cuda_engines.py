@@ -203,6 +203,20 @@ def test_sessions_share_one_copy_of_the_weights(engine_sets):
     torch.testing.assert_close(hidden_states()[2], before[2], rtol=0, atol=0)
 
 
+def test_cuda_weights_without_from_dlpack_are_refused(engine_sets, monkeypatch):
+    """An onnxruntime whose OrtValue has no public from_dlpack cannot hand the sessions one copy of the weights on
+    a GPU: a CUDA engine refuses it, naming the version and the upgrade, instead of loading a copy per session. The
+    CPU path (values over numpy arrays) does not need it."""
+    _, cuda, _ = engine_sets
+    spec = read_manifest(cuda)["models"]["target"]
+    monkeypatch.delattr(ort.OrtValue, "from_dlpack")   # the real class, as onnxruntime < 1.26 has it
+    with pytest.raises(BackendError, match=r"onnxruntime \S+ has no OrtValue\.from_dlpack.*"
+                                           r'pip install -U "onnxruntime-gpu>=1\.26"'):
+        StaticWidthEngine(cuda / spec["engine"]["file"], spec, device="cuda")
+    on_cpu = StaticWidthEngine(cuda / spec["engine"]["file"], spec)
+    assert on_cpu.weights.values and None not in on_cpu.weights.values.values()
+
+
 def _rewire_logits(directory, width: int, node_of) -> None:
     """Width `width`'s target graph with one node put before its `logits` output (node_of(input, output) makes
     it); the manifest's hash follows, so the engine set still loads."""

@@ -15,7 +15,8 @@ passes run the next width or the dynamic graph.
 One copy of the weights for all the sessions (the dynamic graph's and each width's): the graphs of a model keep
 their weights in one external file, and each stored tensor becomes one OrtValue on the device that every session
 is given in place of its own (`SessionOptions.add_initializer`; ONNX Runtime uses a supplied initializer as it is
-when it lives on the device the session plans it for). One session per width rather than one session with a
+when it lives on the device the session plans it for; on a GPU the values are made through DLPack, which needs
+onnxruntime-gpu >= 1.26, and an older one is refused). One session per width rather than one session with a
 graph id per width (`gpu_graph_id`): a captured graph needs every node on the GPU, and a graph with S dynamic
 keeps shape arithmetic that ONNX Runtime places on the CPU.
 
@@ -37,6 +38,7 @@ import torch
 from specrt.engines.base import OrtEngine, StepOutput, bind_tensor, check_providers, providers, session_options
 from specrt.engines.kv_cache import KVCache
 from specrt.engines.manifest import check_file, logits_width
+from specrt.errors import BackendError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class WidthBuffers:
     rows: int = 0            # the mask rows the last pass wrote (past them the mask is the identity)
 
 
+DLPACK_ORT = "1.26"   # the first onnxruntime whose public OrtValue has from_dlpack (earlier: only its private C class)
 NUMPY_TYPES = {1: np.float32, 10: np.float16, 16: np.uint16, 7: np.int64, 6: np.int32, 9: np.bool_}  # TensorProto
                                                                                                     # (bfloat16 as bits)
 
@@ -62,22 +65,22 @@ NUMPY_TYPES = {1: np.float32, 10: np.float16, 16: np.uint16, 7: np.int64, 6: np.
 class SharedWeights:
     """One OrtValue per tensor of a model's external weights, on the engine's device, given to every session of
     the engine in place of the session's own copy. ONNX Runtime takes only values over memory it does not own: on
-    the CPU a numpy array of the file's bytes, on a GPU a torch tensor (through DLPack, onnxruntime >= 1.21:
-    `OrtValue.from_dlpack`; where it is missing, each session keeps its own copy and a warning says so)."""
+    the CPU a numpy array of the file's bytes, on a GPU a torch tensor (through DLPack: `OrtValue.from_dlpack`,
+    onnxruntime >= 1.26; an older one is refused rather than left to load a copy per session)."""
 
     def __init__(self, directory: Path, device: torch.device):
         self.directory, self.device = Path(directory), device
         self.values: dict[tuple, object] = {}   # (file, offset, type, dims) -> its OrtValue
         self.memory: list = []                  # what the values point into (kept alive with them)
+        if device.type == "cuda":
+            check_dlpack()
 
     def add_to(self, options, graph: Path) -> None:
         """Give the session options of `graph` the shared value of each of its externally stored initializers."""
         import onnx
         for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
-                value = self._value(t)
-                if value is not None:
-                    options.add_initializer(t.name, value)
+                options.add_initializer(t.name, self._value(t))
 
     def _value(self, t):
         from onnxruntime import OrtValue
@@ -88,18 +91,23 @@ class SharedWeights:
                                offset=key[1]).reshape(t.dims)
             if self.device.type == "cpu":
                 memory, value = data, OrtValue.ortvalue_from_numpy_with_onnx_type(data, t.data_type)
-            elif hasattr(OrtValue, "from_dlpack"):
+            else:
                 memory = torch.from_numpy(data).to(self.device)
                 memory = memory.view(torch.bfloat16) if t.data_type == 16 else memory
                 value = OrtValue.from_dlpack(memory)
-            else:
-                if not self.values:
-                    log.warning("onnxruntime has no OrtValue.from_dlpack: each session of %s holds its own copy of "
-                                "the weights (upgrade onnxruntime-gpu to share one)", self.directory)
-                memory = value = None
             self.memory.append(memory)
             self.values[key] = value
         return self.values[key]
+
+
+def check_dlpack() -> None:
+    """Refuse an onnxruntime that cannot make an OrtValue over a torch tensor on the GPU (its sessions would each
+    load their own copy of the weights: eight for a target with seven widths)."""
+    import onnxruntime as ort
+    if not hasattr(ort.OrtValue, "from_dlpack"):
+        raise BackendError(f"onnxruntime {ort.__version__} has no OrtValue.from_dlpack (public from {DLPACK_ORT} on), "
+                           "which CUDA engines need to give all their sessions one copy of the weights: upgrade it "
+                           f'(pip install -U "onnxruntime-gpu>={DLPACK_ORT}"), or use --device cpu')
 
 
 class StaticWidthEngine:
