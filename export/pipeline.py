@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specrt.errors import InputError, ManifestError
 from specrt.export import acceptance, memory
-from specrt.export.onnx_export import DTYPES, StagingDir, export_graph, model_entry
+from specrt.export.onnx_export import DTYPES, export_graph, model_entry
 from specrt.export.acceptance import eagle_proposer, medusa_proposer
 from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
 from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_proposer
@@ -16,6 +16,7 @@ from specrt.export.medusa import export_heads, load_heads, layout as medusa_layo
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
+from specrt.files import StagingDir
 
 DEFAULT_MAX_SEQ_LEN = 2048
 

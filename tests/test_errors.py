@@ -108,7 +108,7 @@ def test_interrupted_export_leaves_nothing(tmp_path):
 def test_an_interrupt_swallowed_mid_export_still_stops_it(tmp_path):
     """A KeyboardInterrupt raised inside a destructor is printed and dropped by Python; the staging directory
     still sees the Ctrl-C, removes itself and does not move into place."""
-    from specrt.export.onnx_export import StagingDir
+    from specrt.files import StagingDir
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):

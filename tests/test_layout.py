@@ -1,5 +1,5 @@
 """The package is laid out by layer: no import circle between its modules (imports inside functions count too),
-and each runtime subpackage imports only the layers below it."""
+and each room (cli, measurement, serving, export...) imports only its own modules and the floors below it."""
 from __future__ import annotations
 
 import ast
@@ -7,8 +7,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRS = {"specrt": ROOT / "runtime", "specrt.export": ROOT / "export", "specrt.plugins": ROOT / "plugins"}
-# top to bottom; a module may import its own layer and those below it
-LAYERS = ["cli", "measurement", "serving", "decoding", "engines", "errors"]
+# floors, top to bottom, each a set of rooms (`specrt.<room>`); a module may import its own room and the floors
+# below its own, never a floor above nor another room of its floor. A helper two floors share lives in the lower one
+# (files: the staging directory of export and of the datastores).
+FLOORS = [{"cli"}, {"measurement"}, {"serving", "export"}, {"decoding"}, {"engines"}, {"plugins"}, {"files"},
+          {"errors"}]
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
 
 def modules() -> dict[str, Path]:
@@ -95,17 +99,35 @@ def test_a_circle_is_found():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def _layer(module: str) -> str | None:
+def _room(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+    return parts[1] if len(parts) > 1 and parts[1] in FLOOR else None
+
+
+def _wrong_way(g: dict[str, set[str]]) -> list[str]:
+    """The arrows that go up a floor or across to another room of the same floor."""
+    wrong = []
+    for module, deps in g.items():
+        here = _room(module)
+        for dep in deps:
+            there = _room(dep)
+            if here and there and here != there and FLOOR[there] <= FLOOR[here]:
+                wrong.append(f"{module} -> {dep}")
+    return sorted(wrong)
+
+
+def test_every_room_has_a_floor():
+    rooms = {m.split(".")[1] for m in graph() if m.count(".") >= 1}
+    assert rooms <= FLOOR.keys(), f"rooms without a floor in FLOORS: {sorted(rooms - FLOOR.keys())}"
+
+
+def test_a_wrong_way_arrow_is_found():
+    g = {"specrt.decoding.datastore": {"specrt.export.onnx_export", "specrt.files"},
+         "specrt.serving.server": {"specrt.export.pipeline"}, "specrt.export.pipeline": {"specrt.files"},
+         "specrt.files": {"specrt.errors"}, "specrt.cli": {"specrt.decoding.datastore"}}
+    assert _wrong_way(g) == ["specrt.decoding.datastore -> specrt.export.onnx_export",
+                             "specrt.serving.server -> specrt.export.pipeline"]
 
 
 def test_runtime_layers_import_downwards():
-    upward = []
-    for module, deps in graph().items():
-        here = _layer(module)
-        for dep in deps:
-            there = _layer(dep)
-            if here and there and LAYERS.index(there) < LAYERS.index(here):
-                upward.append(f"{module} -> {dep}")
-    assert upward == []
+    assert _wrong_way(graph()) == []

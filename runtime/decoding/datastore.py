@@ -308,7 +308,7 @@ def build(corpus, engines: str | os.PathLike, out: str | os.PathLike, force: boo
     from rich.progress import Progress
 
     from specrt.engines.manifest import read_manifest
-    from specrt.export.onnx_export import StagingDir
+    from specrt.files import StagingDir
     out, engines = Path(out), Path(engines)
     if out.exists() and not force:
         raise DatastoreError(f"{out} exists: pass --force to replace it (once the new datastore is complete)")
