@@ -15,7 +15,7 @@ from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_prop
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.sources import load_source
-from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, sha256_file, write_manifest
+from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, read_manifest, sha256_file, write_manifest
 from specrt.files import StagingDir
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -39,10 +39,24 @@ def _max_len(model, requested: int, log=print) -> int:
 
 
 def _check_replaceable(out: Path) -> None:
-    """--force replaces an engine set (a directory with a manifest.json) or an empty directory, nothing else: a
-    mistyped --out must not delete someone's folder."""
-    if out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file()):
+    """--force replaces an engine set (a directory whose manifest.json reads as specrt's: its format version, its
+    models) or an empty directory, nothing else: a mistyped --out must not delete someone's folder, nor a web app's
+    or an extension's, which have a manifest.json of their own."""
+    if out.is_dir() and not any(out.iterdir()):
         return
+    if out.is_dir() and (out / MANIFEST).is_file():
+        try:
+            models = read_manifest(out).get("models")
+            why = None if isinstance(models, dict) and isinstance(models.get("target"), dict) else \
+                f"its {MANIFEST} names no target model"
+        except ManifestError as e:   # "<what is wrong>; <the fix for an engine set>": the what
+            why = str(e).split("; ")[0]
+        except AttributeError:   # read_manifest's .get on JSON that is not an object
+            why = f"its {MANIFEST} is not a JSON object"
+        if why is None:
+            return
+        raise InputError(f"--out {out} is not a specrt engine set ({why}): --force replaces only an engine set. "
+                         f"Choose another --out, or move {out} away yourself")
     if out.exists() or out.is_symlink():
         what = "a directory without manifest.json (not an engine set)" if out.is_dir() else "not a directory"
         raise InputError(f"--out {out} is {what}: --force replaces only an engine set. Choose another --out, or "

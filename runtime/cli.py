@@ -62,8 +62,8 @@ def main():
                    "where the config names them.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Engine directory to write.")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length (prompt + output).")
-@click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (it has a manifest.json) or empty, "
-              "only once the new export is complete; any other existing OUT is refused.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is an engine set (its manifest.json reads as specrt's) "
+              "or empty, only once the new export is complete; any other existing OUT is refused.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
               help="Weights of the exported graphs: checkpoints are read in it, so an export needs about the model's "
                    "size in this dtype of memory. CUDA engines run float16/bfloat16 weights as they are; CPU engines "

@@ -4,9 +4,12 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from specrt.errors import InputError
 
 
 @contextlib.contextmanager
@@ -22,23 +25,41 @@ def signals_deferred():
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-class StagingDir:
-    """Write an engine directory beside its final place and move it there only when complete.
-    An interrupted or failed export leaves nothing at `out` (and removes its staging directory)."""
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
 
-    def __init__(self, out: Path, force: bool):
-        self.out, self.force = Path(out), force
+
+class StagingDir:
+    """Write a directory beside its final place `out` and move it there only when complete, replacing what is at
+    `out` (with `force`; the caller checks first that what is there may be replaced). An interrupted or failed
+    write leaves nothing at `out` and removes its staging directory.
+
+    It removes only what it made: its staging directory (`.NAME.partial-*`) and the old `out`, moved aside into a
+    folder of its own (`.NAME.old-*`). Folders beside `out` with such names that it did not make are left where
+    they are and named through `log`: a name does not prove a folder is a leftover (another export to the same
+    `out` may be writing it now), and a `.old` one left by a crash between the two renames holds the only copy of
+    the directory it was replacing."""
+
+    def __init__(self, out: str | Path, force: bool, log=_stderr):
+        self.out, self.force, self.log = Path(out), force, log
 
     def __enter__(self) -> Path:
+        if not self.force and (self.out.exists() or self.out.is_symlink()):
+            raise InputError(f"{self.out} already exists; pass --force to replace it (once the new one is complete)")
         # Ctrl-C raises KeyboardInterrupt, but one that lands in a destructor is printed and swallowed; the flag makes
-        # sure an interrupted export never moves into place.
+        # sure an interrupted write never moves into place.
         self.interrupted, self.previous = False, None
         if threading.current_thread() is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
             self.previous = signal.signal(signal.SIGINT, self._on_sigint)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        for stale in self.out.parent.glob(f".{self.out.name}.partial-*"):  # left by a killed export
-            shutil.rmtree(stale, ignore_errors=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        parent, name = self.out.parent, self.out.name
+        parent.mkdir(parents=True, exist_ok=True)
+        found = sorted({p.name for pattern in (f".{name}.partial-*", f".{name}.old", f".{name}.old-*")
+                        for p in parent.glob(pattern)})
+        if found:
+            self.log(f"left {', '.join(found)} in {parent}: named like the staging folders of a write to {name} that "
+                     "did not finish (or one still running), but not made by this one, so not removed; remove them "
+                     "yourself once no export or build to it is running")
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent))
         return self.tmp
 
     def _on_sigint(self, signum, frame):
@@ -55,12 +76,21 @@ class StagingDir:
             with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
                 shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            self.out.rename(old)
-            self.tmp.rename(self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            self.tmp.rename(self.out)
+        with signals_deferred():      # nor leave `out` moved aside and nothing in its place
+            aside = None
+            try:
+                if self.out.exists() or self.out.is_symlink():
+                    aside = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+                    self.out.rename(aside / self.out.name)
+                self.tmp.rename(self.out)
+            except BaseException:
+                if aside is not None:   # put the old one back (where that fails, it stays in `aside`)
+                    moved = aside / self.out.name
+                    if moved.exists() or moved.is_symlink():
+                        moved.rename(self.out)
+                    aside.rmdir()
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
         return False

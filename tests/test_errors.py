@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -83,8 +83,24 @@ def test_failed_export_half_way_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "t"]
 
 
+# The export of the interrupt test, stopped inside the staging directory once its target graph is written: it says
+# so on stdout and waits there for the test's Ctrl-C (no guess of how long an export takes on a loaded machine).
+STOPS_IN_STAGING = """
+import signal, sys
+import specrt.export.pipeline as pipeline
+from specrt.cli import main
+traced = pipeline.export_graph
+def export_graph(*args, **kw):
+    traced(*args, **kw)
+    print("in staging", flush=True)
+    signal.pause()   # until SIGINT
+pipeline.export_graph = export_graph
+main(["export", "--target", sys.argv[1], "--out", sys.argv[2]])
+"""
+
+
 def test_interrupted_export_leaves_nothing(tmp_path):
-    tiny_model("llama", layers=6, hidden=128).save_pretrained(tmp_path / "t")
+    tiny_model("llama").save_pretrained(tmp_path / "t")
     # Ctrl-C as in a terminal: a process started in the background by a non-interactive shell (as CI runners may
     # start this suite) inherits SIGINT ignored, or blocked, and Python then never turns SIGINT into
     # KeyboardInterrupt (a blocked one stays pending and the export ends with 0).
@@ -92,16 +108,14 @@ def test_interrupted_export_leaves_nothing(tmp_path):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
-    proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "export", "--target", str(tmp_path / "t"),
-                             "--out", str(tmp_path / "e")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=as_in_a_terminal)
-    deadline = time.time() + 120
-    while not any(p.name.startswith(".e.partial") for p in tmp_path.iterdir()):
-        assert proc.poll() is None and time.time() < deadline, "export ended before it could be interrupted"
-        time.sleep(0.01)
+    proc = subprocess.Popen([sys.executable, "-c", STOPS_IN_STAGING, str(tmp_path / "t"), str(tmp_path / "e")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal)
+    said = proc.stdout.readline()   # blocks until the export is in its staging directory, or has ended
+    assert said == "in staging\n", f"the export ended before it could be interrupted: {proc.communicate()[1][-2000:]}"
+    assert any(p.name.startswith(".e.partial") for p in tmp_path.iterdir())
     proc.send_signal(signal.SIGINT)
-    proc.wait(60)
-    assert proc.returncode != 0, f"the export ran to its end after SIGINT: {proc.stderr.read().decode()[-2000:]}"
+    _, err = proc.communicate(timeout=300)   # a bound on a hang only: it ends at once
+    assert proc.returncode != 0, f"the export ran to its end after SIGINT: {err[-2000:]}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
 
 
@@ -146,6 +160,50 @@ def test_force_replaces_only_an_engine_set(tmp_path):
     for out in (tmp_path / "empty", tmp_path / "empty"):   # an empty folder, then the engine set written there
         export_engines(str(tmp_path / "src"), out, max_seq_len=16, force=True, log=lambda *_: None)
         assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("manifest", [
+    {"name": "My App", "short_name": "app", "start_url": "/", "display": "standalone"},   # a web app's
+    {"manifest_version": 3, "name": "An extension", "version": "1.0"},                    # a browser extension's
+    {"format_version": 1, "name": "something else"},                                      # no models
+    ["not", "an", "object"],
+])
+def test_force_refuses_a_folder_whose_manifest_is_not_specrts(tmp_path, manifest):
+    """A manifest.json is not enough: --force replaces only a folder whose manifest reads as an engine set's."""
+    tiny_model("llama").save_pretrained(tmp_path / "src")
+    site = tmp_path / "site"
+    (site / "assets").mkdir(parents=True)
+    (site / "manifest.json").write_text(json.dumps(manifest))
+    (site / "assets" / "index.js").write_text("keep me")
+    with pytest.raises(InputError, match=f"--out {re.escape(str(site))} .*not a specrt engine set"):
+        export_engines(str(tmp_path / "src"), site, max_seq_len=16, force=True, log=lambda *_: None)
+    assert (site / "assets" / "index.js").read_text() == "keep me"
+    assert json.loads((site / "manifest.json").read_text()) == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site", "src"]   # no staging directory either
+
+
+def test_staging_removes_only_what_it_made(tmp_path, capsys):
+    """Folders beside --out named like a staging directory (.e.partial-*, .e.old) that this export did not make
+    stay, named in a message: another export may be writing one, and a .old may hold the only copy of an engine
+    set. What it made itself is gone after it succeeds, and after it fails."""
+    from specrt.files import StagingDir
+    out = tmp_path / "e"
+    theirs = [".e.old", ".e.partial-1234"]
+    for name in theirs:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("theirs")
+    for n in range(2):   # a new engine set, then one that replaces it
+        with StagingDir(out, force=True) as tmp:
+            (tmp / "manifest.json").write_text(str(n))
+        assert (out / "manifest.json").read_text() == str(n)
+    with pytest.raises(RuntimeError):
+        with StagingDir(out, force=True) as tmp:
+            raise RuntimeError("the export failed")
+    assert (out / "manifest.json").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["e", *theirs])
+    assert all((tmp_path / name / "manifest.json").read_text() == "theirs" for name in theirs)
+    said = capsys.readouterr().err
+    assert all(name in said for name in theirs) and "not removed" in said
 
 
 def test_manifest_mismatch(tiny_engines, tmp_path):
