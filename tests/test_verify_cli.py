@@ -16,7 +16,8 @@ def engines(tmp_path_factory):
 
 def verify(directory, *args):
     return CliRunner().invoke(main, ["verify", str(directory), "--method", "ngram", "--prompts", "1",
-                                     "--max-new-tokens", "6", "--depth", "2", "--temperature", "1.0", "--top-k", "2", *args])
+                                     "--max-new-tokens", "6", "--depth", "2", "--temperature", "1.0", "--top-k", "2",
+                                     *args])
 
 
 @pytest.mark.parametrize("args, named", [
