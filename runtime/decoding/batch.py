@@ -13,6 +13,8 @@ from specrt.engines.base import StepOutput
 from specrt.decoding.drafters import _arange, chain_mask
 from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
+from specrt.decoding import processors
+from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, argmax, check_logprobs, probs, sample, token_logprobs
 from specrt.decoding.run import AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, Generation, _Joining, _Row, _Run
 
@@ -33,8 +35,8 @@ class Batch:
     def __init__(self, gen: "Generator", capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
-                 tree_choices=None, adaptive: bool = True, acceptance: str = "exact"):
-        params = SamplingParams(temperature, top_k, top_p, seed, acceptance)
+                 tree_choices=None, adaptive: bool = True, acceptance: str = "exact", min_p: float = 0.0):
+        params = SamplingParams(temperature, top_k, top_p, seed, acceptance, min_p)
         method, self.method_from = gen.method_for(method, params.greedy)
         # what the last request of this regime measured (acceptance, EAGLE's calibration) seeds this one's policies;
         # typical acceptance accepts more than exact, so its requests keep their own figures, which start from the
@@ -79,22 +81,26 @@ class Batch:
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-            logprobs: int | None = None) -> None:
+            logprobs: int | None = None, penalties: Penalties | None = None) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies, logprobs)
+        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties)
         while self.joining:
             self.prefill()
 
     def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-             logprobs: int | None = None) -> None:
+             logprobs: int | None = None, penalties: Penalties | None = None) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
         the caller's handle for the rows, or a sequence of one per row. `logprobs`: each new token's log-probability
-        and this many alternatives are kept (`_Row.logprobs`; None: not). Bad requests are refused here."""
+        and this many alternatives are kept (`_Row.logprobs`; None: not). `penalties`: its rows' processors of the
+        target's logits (processors.py). Bad requests are refused here."""
         check_logprobs(logprobs)
+        if penalties is not None:
+            penalties.check_vocab(self.gen.target.spec["vocab_size"])
         joining = self._reserve(ids, max_new_tokens, owner, copies)
         joining.logprobs = logprobs
+        joining.penalties = penalties if penalties is not None and penalties.active else None
         self.joining.append(joining)
 
     @property
@@ -196,14 +202,19 @@ class Batch:
         r, m, copies = run.batch, len(j.ids), j.copies
         if j.row != r:   # rows retired while it was prefilled
             self._place()
-        run.rows += [_Row(o, m, j.max_new, logprobs_top=j.logprobs) for o in j.owners]
+        run.rows += [_Row(o, m, j.max_new, logprobs_top=j.logprobs, penalties=j.penalties,
+                          context=Context(j.ids) if j.penalties else None) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
             run.lengths[r:].copy_(torch.from_numpy(run.host_lengths[r:]))
         for c in range(1, copies):
             run.pool.copy_row(r, r + c, m)
-        logits = out.logits[:, -1].expand(copies, -1)                                  # (copies, V)
+        logits = out.logits[:, -1]                                                     # (1, V)
+        if j.penalties is not None:
+            logits = logits.clone()
+            processors.apply(logits[0], j.penalties, run.rows[r].context)
+        logits = logits.expand(copies, -1)                                              # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         if j.logprobs is not None:
             firsts = first.tolist()

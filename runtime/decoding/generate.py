@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.decoding import tuning, verification
+from specrt.decoding import processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
@@ -19,6 +19,7 @@ from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDraf
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
+from specrt.decoding.processors import Penalties
 from specrt.decoding.sampling import probs, token_logprobs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
 
@@ -219,7 +220,9 @@ class Generator:
                  seed: int | None = None, num_return_sequences: int = 1, method: str = AUTO,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, chat: bool = True,
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
-                 adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None) -> Generation:
+                 adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None,
+                 min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -234,10 +237,15 @@ class Generator:
         round at temperature > 0, but NOT the target's distribution; greedy at temperature 0). The stats say which
         (`acceptance`, `distribution_preserving`). `logprobs=N`: `Generation.logprobs` holds each new token's
         log-probability under the target's distribution it was drawn from (after temperature, top-k and top-p) and
-        the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them."""
+        the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them.
+        `min_p` drops tokens below min_p × the most likely one's probability (after top-p); `presence_penalty`,
+        `frequency_penalty` (OpenAI's), `repetition_penalty` and `logit_bias` ({token id: bias}) process the
+        target's logits at every position in the context it has (processors.py): the output is the processed
+        target's, with every method."""
         rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
-                              adaptive, acceptance, logprobs)
+                              adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
+                              repetition_penalty, logit_bias)
         while True:
             try:
                 next(rounds)
@@ -282,7 +290,9 @@ class Generator:
                 top_p: float = 1.0, seed: int | None = None, num_return_sequences: int = 1,
                 method: str = AUTO, gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1,
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
-                acceptance: str = "exact", logprobs: int | None = None):
+                acceptance: str = "exact", logprobs: int | None = None, min_p: float = 0.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                logit_bias: dict[int, float] | None = None):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -292,15 +302,19 @@ class Generator:
             if max_new_tokens < 1 or num_return_sequences < 1:
                 raise InputError(f"max_new_tokens {max_new_tokens} and num_return_sequences {num_return_sequences} "
                                  "must be at least 1")
+            penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty,
+                                  tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
             prompts = self._prompts(prompt, prompt_ids, chat)
             n = num_return_sequences
             room = max(map(len, prompts)) + max_new_tokens + 1
             batch = self.batch(len(prompts) * n, room, method=method, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, gamma=gamma, ngram_max=ngram_max, ngram_min=ngram_min,
-                               tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance)
+                               tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance,
+                               min_p=min_p)
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
-                batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs)
+                batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,
+                          penalties=penalties)
             prefill_time = time.perf_counter() - started
             outputs: list = [None] * (len(prompts) * n)
             while True:
@@ -451,6 +465,7 @@ class Generator:
         params = run.params
         if on_host and (params.greedy or params.plain) and out.host is not None:   # plain Python on the host
             logits, tokens, path = out.host_logits(), host[0].tolist(), None
+            logits = self._processed(run, logits, tokens, tree)
             u = None if params.greedy else \
                 torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
             if tree is not None:   # u: one uniform per child tried, then the draw
@@ -472,19 +487,20 @@ class Generator:
             run.after_pass(out, path, [r[0] for r in rows])
             return rows
         cache.write(out.new_kv)
+        logits = self._processed(run, out.logits, None, tree, ids)
         if tree is not None:
             dtree = tree.on(dev)
             rule = verification.tree_typical if params.typical else verification.tree_sampled
-            n, nxt, path = verification.tree_greedy(out.logits, ids, dtree) if params.greedy else \
-                rule(probs(out.logits, params), ids, dtree, run.generator)
+            n, nxt, path = verification.tree_greedy(logits, ids, dtree) if params.greedy else \
+                rule(probs(logits, params), ids, dtree, run.generator)
             path = path.clamp(min=0)                                                    # padding past the leaf
             cache.compact(path)
             tokens, width = ids.gather(1, path), torch.full_like(n, tree.max_depth)
         else:
             if params.greedy:
-                n, nxt = verification.greedy(out.logits, proposal.tokens, proposal.valid)
+                n, nxt = verification.greedy(logits, proposal.tokens, proposal.valid)
             else:
-                P = probs(out.logits, params)                                           # (B, γ+1, V)
+                P = probs(logits, params)                                               # (B, γ+1, V)
                 n, nxt = verification.typical(P, proposal.tokens, proposal.valid, run.generator) if params.typical \
                     else verification.sampled(P, proposal.q, proposal.tokens, proposal.valid, run.generator)
             path, tokens, width = None, ids, proposal.valid.sum(1)
@@ -493,8 +509,25 @@ class Generator:
                          1).tolist()   # the read: the commit rows, then a tree's accepted node ids (the drafters')
         cut = 3 + tokens.shape[1]
         run.host_pass = (None if path is None else [r[cut:] for r in read], [r[0] for r in read])
-        self._logprobs(run, out.logits, [r[:cut] for r in read], run.host_pass[0])
+        self._logprobs(run, logits, [r[:cut] for r in read], run.host_pass[0])
         return [r[:cut] for r in read]
+
+    @staticmethod
+    def _processed(run: _Run, logits, tokens: list[list[int]] | None, tree, ids=None):
+        """The pass's logits (B, S, V) with each row's penalties applied at every node, in the context that node
+        has under autoregressive decoding (processors.node_paths): a copy where a row has penalties, else
+        `logits` itself. `tokens`: the pass's tokens per row (None: read from `ids` once, only then)."""
+        rows = [b for b, row in enumerate(run.rows) if row.penalties is not None and run.active[b]]
+        if not rows:
+            return logits
+        logits = logits.clone() if isinstance(logits, torch.Tensor) else logits.copy()
+        tokens = tokens if tokens is not None else ids.tolist()
+        parent = tree.parent if tree is not None else None
+        for b in rows:
+            row = run.rows[b]
+            for i, path in enumerate(processors.node_paths(tokens[b], parent)):
+                processors.apply(logits[b, i], row.penalties, row.context, path)
+        return logits
 
     @staticmethod
     def _logprobs(run: _Run, logits, rows: list[list[int]], paths: list[list[int]] | None) -> None:
@@ -540,6 +573,8 @@ class Generator:
                 new = new[:eos + 1]
             if b in run.round_logprobs:
                 row.logprobs += run.round_logprobs[b][:len(new)]
+            if row.context is not None:
+                row.context.add(new)
             for tok in new:
                 tokens[b, length] = tok
                 length += 1

@@ -8,6 +8,7 @@ import torch
 
 from specrt.decoding import tuning
 from specrt.decoding.drafters import PassInputs
+from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, TokenLogprob
 
 
@@ -48,6 +49,7 @@ class _Joining:
     cache: object                   # the target cache's row `row` (a KVCache view)
     done: int = 0                   # prompt positions prefilled so far
     logprobs: int | None = None     # report each new token's log-probability and this many alternatives
+    penalties: Penalties | None = None   # its context-dependent logits processors
 
     @property
     def copies(self) -> int:
@@ -69,6 +71,8 @@ class _Row:
     accepted_per_position: list[int] = field(default_factory=list)   # accepted draft tokens at each depth
     logprobs_top: int | None = None  # None: no logprobs; else the alternatives reported per token
     logprobs: list[TokenLogprob] = field(default_factory=list)       # one per new token, when asked for
+    penalties: Penalties | None = None   # processors of the target's logits at its positions, with...
+    context: Context | None = None       # ...its tokens so far (processors.py)
 
 
 class _Run:

@@ -21,6 +21,7 @@ class SamplingParams:
     top_p: float = 1.0         # 1: off
     seed: int | None = None
     acceptance: str = "exact"  # "typical": Medusa's typical acceptance (lossy, see verification.typical)
+    min_p: float = 0.0         # 0: off; else tokens below min_p × the most likely token's probability are dropped
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -32,6 +33,8 @@ class SamplingParams:
             raise InputError(f"top_p {self.top_p}: must be in (0, 1] (1 turns it off)")
         if self.top_k < 0:
             raise InputError(f"top_k {self.top_k}: must be >= 0 (0 turns it off)")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p {self.min_p}: must be in [0, 1] (0 turns it off)")
         if self.acceptance not in ACCEPTANCE:
             raise InputError(f"acceptance {self.acceptance!r}: choose exact (the default: the target's distribution) "
                              "or typical (Medusa's typical acceptance: faster at temperature > 0, not the target's "
@@ -48,8 +51,8 @@ class SamplingParams:
 
     @property
     def plain(self) -> bool:
-        """Sampling from the temperature alone (top-k and top-p off): the CPU loop's host rules."""
-        return self.temperature > 0 and not self.top_k and self.top_p == 1
+        """Sampling from the temperature alone (top-k, top-p and min-p off): the CPU loop's host rules."""
+        return self.temperature > 0 and not self.top_k and self.top_p == 1 and not self.min_p
 
     def generator(self, device="cpu") -> torch.Generator:
         g = torch.Generator(device=device)
@@ -61,7 +64,8 @@ class SamplingParams:
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, over the last axis; returns normalised probabilities (float32)."""
+    """Temperature, then top-k, then top-p, then min-p, over the last axis; returns normalised probabilities
+    (float32)."""
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
@@ -73,6 +77,9 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = before >= params.top_p                    # keep the smallest prefix reaching top_p
         drop[..., 0] = False                             # top-1 always (a top_p that float32 rounds to 0 too)
         p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    if params.min_p:
+        p = p.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), 0.0)   # the most likely always stays
         p = p / p.sum(-1, keepdim=True)
     return p
 
