@@ -51,8 +51,6 @@ def _check_replaceable(out: Path) -> None:
                 f"its {MANIFEST} names no target model"
         except ManifestError as e:   # "<what is wrong>; <the fix for an engine set>": the what
             why = str(e).split("; ")[0]
-        except AttributeError:   # read_manifest's .get on JSON that is not an object
-            why = f"its {MANIFEST} is not a JSON object"
         if why is None:
             return
         raise InputError(f"--out {out} is not a specrt engine set ({why}): --force replaces only an engine set. "

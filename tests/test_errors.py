@@ -239,3 +239,23 @@ def test_cli_error_is_one_clear_line(tiny_engines):
     assert out.returncode != 0
     assert "temperature -1.0: must be >= 0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_datastore_force_refuses_a_folder_that_is_not_a_datastore(tmp_path):
+    """`datastore build --force` replaces a datastore, not another program's folder with a datastore.json."""
+    from specrt.decoding import datastore
+    from specrt.decoding.datastore import DatastoreError
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "datastore.json").write_text(json.dumps({"name": "another tool's"}))
+    (theirs / "data.bin").write_text("keep me")
+    with pytest.raises(DatastoreError, match=f"{re.escape(str(theirs))} exists and is not a specrt datastore"):
+        datastore.build([tmp_path / "corpus.txt"], tmp_path / "engines", theirs, force=True, progress=False)
+    assert (theirs / "data.bin").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]
+
+
+def test_a_manifest_that_is_not_an_object_is_named(tmp_path):
+    from specrt.engines.manifest import read_manifest
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ManifestError, match="is not a JSON object"):
+        read_manifest(tmp_path)

@@ -299,6 +299,21 @@ def documents(path: Path, tokenizer):
                                  "turns) or 'ids' (token ids, with 'prompt_len' to keep the answer only)")
 
 
+def _check_replaceable(out: Path) -> None:
+    """--force replaces a datastore (its datastore.json reads as specrt's: format, tokenizer) or an empty
+    directory, nothing else: another program's folder with a datastore.json of its own is not ours to delete."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    try:
+        info = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        info = None
+    if not (isinstance(info, dict) and info.get("format") == FORMAT and isinstance(info.get("tokenizer"), dict)):
+        raise DatastoreError(f"{out} exists and is not a specrt datastore (no {MANIFEST} of format {FORMAT} with a "
+                             f"tokenizer): --force replaces only a datastore. Choose another --out, or move {out} "
+                             "away yourself")
+
+
 def build(corpus, engines: str | os.PathLike, out: str | os.PathLike, force: bool = False, exclude=(),
           log=print, progress: bool = True) -> dict:
     """Tokenize `corpus` (files and directories, see corpus_files) with the engine set's tokenizer, index it (the
@@ -312,8 +327,7 @@ def build(corpus, engines: str | os.PathLike, out: str | os.PathLike, force: boo
     out, engines = Path(out), Path(engines)
     if out.exists() and not force:
         raise DatastoreError(f"{out} exists: pass --force to replace it (once the new datastore is complete)")
-    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise DatastoreError(f"{out} exists and is not a datastore: choose another --out")
+    _check_replaceable(out)
     manifest = read_manifest(engines)
     identity = tokenizer_identity(manifest)
     vocab = identity["vocab_size"]

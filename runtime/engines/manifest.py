@@ -71,6 +71,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path} is not valid JSON ({e}); re-run `specrt export`") from e
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} is not a JSON object; re-run `specrt export`")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ManifestError(f"{path} has format_version {manifest.get('format_version')!r}, this specrt reads "
                             f"{FORMAT_VERSION}; re-export the engines with this version")
