@@ -13,7 +13,7 @@ Every step runs in its own process: its peak resident memory is the kernel's hig
 (ru_maxrss). Exits non-zero if tokens differ or, for a model of 4 GB of float32 weights or more, a peak of an export
 or a build passes 2.5x those weights.
 
-    python -m specrt.measurement.large [--preset 135m|584m|1.1b] [--work build/check-large] [--cuda]
+    python -m specrt.measurement.large [--preset 135m|584m|1.1b|tiny] [--work build/check-large] [--cuda]
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ PRESETS = {   # transformers LlamaConfig fields
                  num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False),
     "1.1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),   # TinyLlama-1.1B's shape
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),   # every step in seconds (tests)
 }
 NEW_TOKENS, MAX_SEQ_LEN = 32, 256
 PEAK_LIMIT = 2.5   # x the float32 weights, for export and build, checked from LIMIT_FROM_GB of weights on (below,
