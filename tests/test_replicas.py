@@ -8,12 +8,15 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 import pytest
+from click.testing import CliRunner
 
 from conftest import load_prompts
 from greedy_check import assert_same_or_tie
+from specrt.measurement import serve_bench
 from specrt.measurement.serve_bench import server
 
 pytest.importorskip("ray.serve", reason="the scale extra: pip install 'specrt[scale]' (make setup installs it)")
@@ -21,17 +24,42 @@ from specrt.serving.replicas import REPLICA_HEADER  # noqa: E402
 
 
 MAX_WAITING = 8   # requests the ingress holds for a replica with room
+MAX_BATCH = 8     # each replica's batch (serve's default --max-batch)
+STORED = "Notes from the datastore test. The eight planets of the solar system, from the Sun outwards, are"
+WAIT_S = 300      # the most any condition below is waited for (a loaded machine is slow, never this slow)
 
 
 @pytest.fixture(scope="module")
-def replicas(default_engines, tmp_path_factory):
+def stored(default_generator, tmp_path_factory):
+    """A datastore for --method rest that holds STORED and the target's greedy continuation of it; (its directory,
+    STORED's ids, the continuation)."""
+    from specrt.decoding.datastore import build
+    ids = default_generator.encode(STORED, chat=False)
+    want = default_generator.generate(prompt_ids=ids, max_new_tokens=24, method="autoregressive").token_ids[0]
+    tmp = tmp_path_factory.mktemp("datastore")
+    (tmp / "corpus.jsonl").write_text(json.dumps({"ids": ids + want}) + "\n")
+    build([str(tmp / "corpus.jsonl")], default_generator.directory, tmp / "store", log=lambda *_: None,
+          progress=False)
+    return tmp / "store", ids, want
+
+
+@pytest.fixture(scope="module")
+def replicas(default_engines, stored, tmp_path_factory):
     """`specrt serve --replicas 2`: two replicas of the default engines, one engine thread each, each with a suffix
-    cache."""
+    cache and the datastore of `stored`."""
     log = tmp_path_factory.mktemp("replicas") / "server.log"
     with server(default_engines, log, "--replicas", "2", "--threads", "1", "--method", "autoregressive",
-                "--max-waiting", str(MAX_WAITING), "--suffix-cache", "4",
-                wait_s=300, stop_s=60) as (url, pid):   # Serve and Ray take seconds to stop
+                "--max-waiting", str(MAX_WAITING), "--suffix-cache", "4", "--datastore", str(stored[0]),
+                wait_s=WAIT_S, stop_s=60) as (url, pid):   # Serve and Ray take seconds to stop
         yield url, log
+
+
+def until(condition, what: str, every: float = 0.5):
+    """Poll `condition` until it is true; fail, saying `what`, after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} (waited {WAIT_S} s)"
+        time.sleep(every)
 
 
 def stream(url: str, body: dict, timeout: float = 120):
@@ -71,12 +99,65 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
     assert len(served) == 2, f"one replica served all 16 requests: {served}"
     # one scrape counts both replicas (each sends its figures to the hub every second): the tokens each answered
     tokens = {r: sum(len(ids_of(events)) for events, by in results if by == r) for r in served}
-    deadline = time.monotonic() + 20
-    while (counted := generated(url)) != tokens:
-        assert time.monotonic() < deadline, f"/metrics counts {counted}, the replicas answered {tokens}"
-        time.sleep(0.5)
+    until(lambda: generated(url) == tokens, f"/metrics counts {generated(url)}, the replicas answered {tokens}")
     with urllib.request.urlopen(url + "/health", timeout=30) as r:   # the replica that answers keeps its outputs
         assert json.loads(r.read())["suffix_cache"]["outputs"] > 0
+
+
+@pytest.mark.slow
+def test_rest_drafts_from_the_replicas_datastore(replicas, stored, default_generator, smollm2):
+    """--datastore reaches the replicas: rest drafts STORED's continuation from it (most of the 24 tokens accepted
+    drafts, in a few rounds) where ngram, from the prompt and its own output, gets less than half; both give the
+    target's greedy tokens. (rest first: the replica's suffix cache then holds no output of this prompt.)"""
+    url, _ = replicas
+    _, ids, want = stored
+    stats = {}
+    for method in ("rest", "ngram"):
+        code, doc, _ = post(url, {"prompt": STORED, "max_tokens": len(want), "temperature": 0,
+                                  "specrt": {"method": method}})
+        assert code == 200, doc
+        assert_same_or_tie(doc["choices"][0]["token_ids"], want, ids, smollm2.model)
+        stats[method] = doc["specrt"]
+    rest, ngram = stats["rest"], stats["ngram"]
+    assert rest["method"] == "rest" and rest["tokens"] == len(want)
+    assert rest["accepted_tokens"] >= len(want) // 2 > ngram["accepted_tokens"] and rest["rounds"] <= len(want) // 3
+
+
+@pytest.mark.slow
+def test_bench_serve_over_replicas(replicas, default_engines, tmp_path, monkeypatch):
+    """`specrt bench-serve --replicas 2` (on this module's server: Ray starts once): the server it asks for is
+    `specrt serve --replicas 2` with the threads given (flags that `specrt serve` parses), and each wave's figures
+    are its requests' (2 of 4 tokens each), in a table with a replicas column."""
+    from specrt.cli import main, serve
+    url, _ = replicas
+    asked = []
+
+    @contextmanager
+    def this_server(engines, log_path, *args, wait_s=300, stop_s=10):
+        serve.make_context("serve", [str(engines), *args])   # what `specrt serve` would parse
+        asked.append((log_path.name, args))
+        yield url, None
+
+    monkeypatch.setattr(serve_bench, "server", this_server)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["bench-serve", str(default_engines), "--replicas", "2", "--threads", "1",
+                                       "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert asked == [("server-2.log", ("--max-batch", "2", "--method", "autoregressive", "--replicas", "2",
+                                       "--threads", "1"))]
+    report = json.loads((out / "serve_bench.json").read_text())
+    results = report["results"]
+    assert [(r["replicas"], r["concurrency"], r["requests"], r["tokens"]) for r in results] == [(2, 1, 2, 8),
+                                                                                              (2, 2, 2, 8)]
+    for r in results:
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert 0 < r["ttft_mean_s"] <= r["ttft_max_s"] < r["wall_s"]
+        assert r["speedup_vs_one_at_a_time"] == pytest.approx(r["tokens_per_s"] / results[0]["tokens_per_s"])
+    assert sum(v["rounds"] for v in results[-1]["batch_rounds"].values()) > 0   # a replica's own count
+    table = (out / "serve_bench.md").read_text()
+    assert "| replicas | concurrency | tok/s |" in table
+    assert f"| 2 | 2 | {results[1]['tokens_per_s']:.1f} | {results[1]['speedup_vs_one_at_a_time']:.2f} |" in table
 
 
 def samples(url: str, name: str, **labels) -> dict[str, float]:
@@ -109,11 +190,9 @@ def test_client_that_leaves_frees_its_row(replicas):
     replica = r.headers[REPLICA_HEADER]
     r.readline(), r.readline(), r.readline()
     r.close()
-    deadline = time.monotonic() + 20
-    while samples(url, "specrt:num_requests_running").get(replica) != 0 or sum(
-            samples(url, "specrt:request_success_total", finished_reason="abort").values()) != aborted + 1:
-        assert time.monotonic() < deadline, "the replica still runs the request of a client that has gone"
-        time.sleep(0.5)
+    until(lambda: samples(url, "specrt:num_requests_running").get(replica) == 0 and sum(
+        samples(url, "specrt:request_success_total", finished_reason="abort").values()) == aborted + 1,
+        "the replica still runs the request of a client that has gone")
     assert samples(url, "specrt:generation_tokens_total")[replica] < 1000
 
 
@@ -121,42 +200,66 @@ def post(url: str, body: dict) -> tuple[int, dict, str | None]:
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
             return r.status, json.loads(r.read()), r.headers[REPLICA_HEADER]
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read()), None
 
 
+def hold(url: str):
+    """A long stream that has its first tokens (a replica runs it): the open response; closing it ends the request."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+        {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=WAIT_S)
+    while not r.readline().startswith(b"data: "):
+        pass
+    return r
+
+
 @pytest.mark.slow
 def test_requests_beyond_max_waiting_get_429(replicas):
-    """More requests at once than both replicas' batches and --max-waiting hold: the ones beyond get a 429 in
-    OpenAI's format at once, every other one is answered. (Serve counts a request as queued until a replica has
-    taken it, so in a burst fewer than both batches and MAX_WAITING may get through: at least MAX_WAITING do.)"""
+    """Both replicas' batches full (long streams that run): of a burst of requests, those beyond --max-waiting get a
+    429 in OpenAI's format at once, the --max-waiting others wait; once the long streams leave, they are answered."""
     url, _ = replicas
-    with ThreadPoolExecutor(40) as pool:
-        answers = list(pool.map(lambda _: post(url, {"prompt": "1, 2, 3,", "max_tokens": 24, "temperature": 0}),
-                                range(40)))
+    burst = 3 * MAX_WAITING
+    with ThreadPoolExecutor(2 * MAX_BATCH) as pool:
+        held = list(pool.map(lambda _: hold(url), range(2 * MAX_BATCH)))
+    with ThreadPoolExecutor(burst) as pool:
+        try:
+            sent = [pool.submit(post, url, {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0})
+                    for _ in range(burst)]
+            deadline = time.monotonic() + WAIT_S   # the ones beyond the bound are answered while the batches are full
+            while len(done := [f for f in sent if f.done()]) < burst - MAX_WAITING:
+                assert time.monotonic() < deadline, f"{len(done)} of {burst} answered while the batches were full"
+                wait([f for f in sent if not f.done()], timeout=deadline - time.monotonic(),
+                     return_when=FIRST_COMPLETED)
+            early = [f.result()[0] for f in done]
+            assert set(early) == {429}, early
+        finally:
+            for r in held:   # the long streams leave: their rows take the waiting requests
+                r.close()
+        answers = [f.result() for f in sent]
     codes = sorted(code for code, *_ in answers)
-    assert set(codes) == {200, 429} and codes.count(200) >= MAX_WAITING, codes
+    assert codes.count(200) == MAX_WAITING and codes.count(429) == burst - MAX_WAITING, codes
     assert {doc["error"]["code"] for code, doc, _ in answers if code == 429} == {"too_many_requests"}
 
 
 @pytest.mark.slow
 def test_killed_replica_ends_its_stream_and_is_replaced(replicas):
-    """SIGKILL to the replica in the middle of a long stream: the stream ends with an error event and [DONE] within
-    seconds, requests go on being answered (by the other replica), and the replica Serve starts in its place
-    serves."""
+    """SIGKILL to the replica in the middle of a long stream: the stream ends with an error event and [DONE] (a
+    stream left hanging fails the read at urlopen's timeout; one the kill missed runs to its 1,000 tokens), requests
+    go on being answered (by the other replica), and the replica Serve starts in its place serves."""
     url, _ = replicas
     events, replica = stream(url, {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0})
     got = [next(events), next(events)]
     os.kill(int(replica.rsplit(":", 1)[1]), signal.SIGKILL)
-    killed = time.monotonic()
     got += list(events)
-    assert time.monotonic() - killed < 10 and got[-1] == "[DONE]", got[-3:]
+    assert got[-1] == "[DONE]", got[-3:]
     assert got[-2]["error"]["code"] == "replica_failed" and len(ids_of(got)) < 1000, got[-2:]
-    answered, deadline = set(), time.monotonic() + 120
+    answered, deadline = set(), time.monotonic() + WAIT_S
     while len(answered) < 2:   # the other replica, and the new one (the killed one answers nothing)
-        assert time.monotonic() < deadline, f"no new replica served within 120 s: {answered}"
+        assert time.monotonic() < deadline, f"no new replica served within {WAIT_S} s: {answered}"
         code, doc, by = post(url, {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
         if code == 200:
             answered.add(by)
