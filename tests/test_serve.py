@@ -1,11 +1,14 @@
 """specrt serve: a real server process, driven with the official openai client."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +51,21 @@ def sse(url: str, body: dict, timeout: float = 60):
             if line.startswith(b"data: "):
                 data = line[len(b"data: "):].strip()
                 yield "[DONE]" if data == b"[DONE]" else json.loads(data)
+
+
+def wait_for(condition, what: str, timeout: float = 60):
+    """Poll `condition` until it holds and return its value; fail, saying `what` did not happen, after `timeout`
+    seconds (generous: a loaded machine is slow, not wrong)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} within {timeout:.0f} s"
+        time.sleep(0.05)
+    return value
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read())
 
 
 def chunk_ids(events: list) -> list[int]:
@@ -338,15 +356,29 @@ class EngineFault(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def in_process(app):
+    """`app` under uvicorn on a thread of this process, on a free port, until the block ends; yields its URL."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def faulty(tiny):
     """`create_app` of the tiny engines under uvicorn in this process, its target's passes 5 ms slower (the streams
     are still running when the next request comes) and failing where the test says: a prefill pass over a prompt
     that holds POISON, or the next decode pass once `fail_round` is set."""
-    import threading
-
-    import uvicorn
-
     from specrt.serving.server import create_app
     lone = tiny[0]
     gen = Generator.from_engines(lone.directory, threads=1)
@@ -362,18 +394,9 @@ def faulty(tiny):
         return forward(ids, *args, **kw)
 
     gen.target.forward = failing
-    server = uvicorn.Server(uvicorn.Config(create_app(gen, "tiny", method="autoregressive"), host="127.0.0.1",
-                                           port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield lone, f"http://127.0.0.1:{port}", fail_round
-    server.should_exit = True
-    thread.join(timeout=30)
+    app = create_app(gen, "tiny", method="autoregressive")
+    with in_process(app) as url:
+        yield lone, url, fail_round
 
 
 def started_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list:
@@ -476,6 +499,63 @@ def test_failed_hand_out_answers_its_own_request_alone(faulty, monkeypatch):
     assert bad not in chunk_ids(events)
     events = [other_first, *other]
     assert events[-2]["choices"][0]["finish_reason"] == "length" and chunk_ids(events) == want[1], events[-2:]
+
+
+@pytest.mark.parametrize("where", ["start-up", "loop"])
+def test_dead_scheduler_fails_health_and_answers_503(tiny, where, caplog):
+    """The scheduler thread fails outside any request's work: timing the target's passes at start-up (a CUDA
+    out-of-memory at batch 8, say: here the first timing, once a request waits), or at the top of its loop (here
+    the running gauge, once a request runs). /health is then a 503, the request that waited or ran and every new
+    one (streamed or not) get a 503 error object that names the cause, and the log has the traceback: a supervisor
+    restarts the process (in the old server /health said ok and every request waited for ever)."""
+    from specrt.serving.server import create_app
+    gen = Generator.from_engines(tiny[0].directory, threads=1)
+    waits = threading.Event()
+
+    def costs(*args, **kw):
+        waits.wait(60)
+        raise EngineFault("CUDA out of memory while timing batch 1 (the test's fault)")
+
+    if where == "start-up":
+        gen.costs = costs   # a speculative default method: the scheduler times the target's passes first
+    app = create_app(gen, "tiny", method="draft" if where == "start-up" else "autoregressive")
+    if where == "loop":
+        running, fault = app.state.server.metrics.running, EngineFault("the running gauge failed (the test's fault)")
+
+        class Gauge:   # set at the top of every round of the loop
+            def set(self, value):
+                if value > 0:
+                    raise fault
+                running.set(value)
+
+        app.state.server.metrics.running = Gauge()
+    try:   # Ray Serve's health check of a replica (the scale extra) reads the same state as /health
+        from specrt.serving.replicas import Engine
+        replica = types.SimpleNamespace(app=app)   # what the check reads of its replica
+    except ImportError:
+        Engine = None
+    cause = "EngineFault: CUDA out of memory" if where == "start-up" else "EngineFault: the running gauge failed"
+    request = {"prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0}
+    with in_process(app) as url, ThreadPoolExecutor(1) as pool:
+        assert call(url, "/health", key=None)[0] == 200
+        if Engine is not None:
+            Engine.check_health(replica)
+        first = pool.submit(post, url + "/v1/completions", request, timeout=90)
+        if where == "start-up":
+            wait_for(lambda: health(url)["waiting"] == 1, "the request reached the scheduler")
+            waits.set()
+        code, doc, _ = wait_for(lambda: (a := call(url, "/health", key=None))[0] != 200 and a,
+                                "the scheduler's death showed in /health")
+        assert code == 503 and is_error(doc, "scheduler_died") and cause in doc["error"]["message"], doc
+        for answer in (first.result(), post(url + "/v1/completions", request),
+                       post(url + "/v1/completions", {**request, "stream": True})):
+            code, doc = answer
+            assert code == 503 and is_error(doc, "scheduler_died") and cause in doc["error"]["message"], doc
+        if Engine is not None:
+            with pytest.raises(RuntimeError, match=cause):
+                Engine.check_health(replica)
+    died = [r for r in caplog.records if "scheduler has died" in r.getMessage()]
+    assert died and died[0].exc_info is not None and isinstance(died[0].exc_info[1], EngineFault), caplog.text[-2000:]
 
 
 def test_stop_text():

@@ -5,8 +5,9 @@ server in its process (create_app: the scheduler, continuous batching, the limit
 behind `@serve.ingress` that takes every HTTP request through Serve's proxy and hands it to an Engine replica (Serve
 routes it to a replica with room: `max_ongoing_requests` is the batch size, where Serve's default of 5 would starve
 the batcher), then streams the replica's answer back. A replica that dies in the middle of a stream ends that stream
-with an error event and `[DONE]`; Serve starts a new replica in its place. Requests beyond `--max-waiting` waiting for
-a replica with room get a 429 (Serve's `max_queued_requests` at the ingress).
+with an error event and `[DONE]`; Serve starts a new replica in its place, as it does for a replica whose scheduler
+has died (its health check, `Engine.check_health`, fails as its /health does). Requests beyond `--max-waiting`
+waiting for a replica with room get a 429 (Serve's `max_queued_requests` at the ingress).
 
 Metrics: every replica sends its registry's text to one `MetricsHub` actor each PUSH_S seconds; the ingress's
 `/metrics` answers with all of them merged, each sample labelled with its `replica` (specrt.serving.metrics.merge), so
@@ -86,6 +87,13 @@ class Engine:
                 time.sleep(PUSH_S)
 
         threading.Thread(target=push, name="specrt-metrics-push", daemon=True).start()
+
+    def check_health(self) -> None:
+        """Serve's health check of the replica (every `health_check_period_s`): it fails once the replica's scheduler
+        has died, as the replica's /health does, and Serve replaces the replica."""
+        dead = self.app.state.server.scheduler.dead()
+        if dead is not None:
+            raise RuntimeError(dead.message)   # a plain error: it crosses to Serve's controller
 
     async def answer(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator:
         """The app's answer to one request. Leaving early (the client has gone) cancels it: its rows are freed."""

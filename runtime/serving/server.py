@@ -9,9 +9,12 @@ running batch, so that a long prompt does not stall the streams already running 
 request that does not match waits until the batch has drained. The handlers are async: they tokenize on a
 thread of their own and wait for the scheduler's events. A round that fails answers its requests with the error
 (a stream: an error chunk, then [DONE]) and the next batch starts afresh; a prefill pass that fails answers its own
-request alone. On SIGTERM (or Ctrl-C) the running requests get SHUTDOWN_GRACE_S seconds to finish, then end with an
-error. Limits (an API key, a bound on waiting requests, a time limit per request, a body size limit) and Prometheus
-metrics (/metrics, specrt.serving.metrics) are the app's; specrt.serving.replicas runs it in Ray Serve replicas.
+request alone. A failure of the scheduler thread outside any request's work (timing the passes at start-up, the top
+of its loop) kills it: every request running, waiting or still to come is then answered with a 503 that names the
+cause, and /health fails (503), so that a supervisor (or Ray Serve's health check) restarts the process. On SIGTERM
+(or Ctrl-C) the running requests get SHUTDOWN_GRACE_S seconds to finish, then end with an error. Limits (an API key,
+a bound on waiting requests, a time limit per request, a body size limit) and Prometheus metrics (/metrics,
+specrt.serving.metrics) are the app's; specrt.serving.replicas runs it in Ray Serve replicas.
 """
 from __future__ import annotations
 
@@ -122,7 +125,8 @@ ERRORS = {   # the statuses the API answers besides 200 (the OpenAPI document li
     413: "A body larger than --max-body-bytes.",
     429: "More requests waiting for a row than --max-waiting.",
     500: "The request failed in the engines (the server keeps serving).",
-    503: "The server is shutting down, or gave no token within --request-timeout.",
+    503: "The server is shutting down, gave no token within --request-timeout, or its scheduler has died (it must be "
+         "restarted).",
 }
 
 
@@ -262,6 +266,7 @@ class Scheduler:
         self.key = None                      # the options of the running batch, or of the next one to make
         self.deadline: float | None = None   # stopping: when the requests still running end (time.monotonic())
         self.stopped = False
+        self.died: Exception | None = None   # why the thread has died (see _loop)
         self.thread = threading.Thread(target=self._loop, name="specrt-batch", daemon=True)
         self.thread.start()
 
@@ -269,6 +274,8 @@ class Scheduler:
         if job.copies > self.capacity:   # it could never join: it would hold up every request behind it
             raise InputError(f"{job.copies} sequences in one request: the batch holds {self.capacity}")
         with self.ready:
+            if self.died is not None:
+                raise self.dead()
             if self.stopped:
                 job.put(_shutting_down())
                 return
@@ -302,7 +309,27 @@ class Scheduler:
         """The batch's rows that are live or held by joining jobs."""
         return self.batch.taken if self.batch is not None else 0
 
+    def dead(self) -> APIError | None:
+        """The 503 that every request gets once the thread has died (None while it runs)."""
+        e = self.died
+        if e is None:
+            return None
+        return APIError(503, f"the server's scheduler has died ({type(e).__name__}: {e}): no request can be served "
+                             "until the server restarts (its log has the traceback)", code="scheduler_died")
+
     def _loop(self) -> None:
+        """The thread. A failure outside any request's work kills it: every request running or waiting, and every
+        one that comes, is answered with a 503 that names the cause (`dead`)."""
+        try:
+            self._serve()
+        except Exception as e:   # noqa: BLE001 -- answered to every request; /health fails: restart the process
+            log.critical("the scheduler has died: no request can be served until the server restarts",
+                         exc_info=True)
+            with self.ready:
+                self.died = e
+                self._end_all(self.dead())
+
+    def _serve(self) -> None:
         torch.set_num_threads(1)   # the loop's own tensors are small (the engines keep their thread pools)
         if self.measure:   # before the first request, not in the middle of its rounds
             sizes = range(1, min(self.capacity, MAX_MEASURED_BATCH) + 1)
@@ -316,7 +343,7 @@ class Scheduler:
                     self.ready.wait()
                 if self.deadline is not None and (time.monotonic() >= self.deadline or
                                                   not self.waiting and not self.taken):
-                    self._end_all()
+                    self._end_all(_shutting_down())
                     return
                 admit = self._admissible()
                 self._expire()
@@ -407,13 +434,12 @@ class Scheduler:
                 job.put(e)
         self.batch = None
 
-    def _end_all(self) -> None:
-        """Stopped: the requests still running or waiting end with an error."""
-        e = _shutting_down()
-        self._fail(e)
+    def _end_all(self, e: APIError) -> None:
+        """Stopped (or dead): the requests still waiting or running end with the error `e`."""
+        self.stopped = True
         while self.waiting:
             self.waiting.popleft().put(e)
-        self.stopped = True
+        self._fail(e)
 
     def _dispatch(self) -> None:
         """New tokens to their jobs; rows of jobs that have gone are cancelled; finished rows retired."""
@@ -831,8 +857,11 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         message = f"{request.method} {request.url.path}: {e.detail}"
         return JSONResponse(_error(message, status=e.status_code), status_code=e.status_code)
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health():
+        """Liveness: a 503 once the scheduler has died (restart the process)."""
+        if (dead := server.scheduler.dead()) is not None:
+            raise dead
         cache = server.gen.suffix_cache
         return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
                 "waiting": len(server.scheduler.waiting),
