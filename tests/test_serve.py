@@ -378,7 +378,8 @@ def in_process(app):
 def faulty(tiny):
     """`create_app` of the tiny engines under uvicorn in this process, its target's passes 5 ms slower (the streams
     are still running when the next request comes) and failing where the test says: a prefill pass over a prompt
-    that holds POISON, or the next decode pass once `fail_round` is set."""
+    that holds POISON, or the next decode pass once `fail_round` is set. Yields the lone generator, the URL,
+    fail_round and the app's Server."""
     from specrt.serving.server import create_app
     lone = tiny[0]
     gen = Generator.from_engines(lone.directory, threads=1)
@@ -396,7 +397,7 @@ def faulty(tiny):
     gen.target.forward = failing
     app = create_app(gen, "tiny", method="autoregressive")
     with in_process(app) as url:
-        yield lone, url, fail_round
+        yield lone, url, fail_round, app.state.server
 
 
 def started_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list:
@@ -409,7 +410,7 @@ def started_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list
 def test_failed_prefill_answers_its_own_request_alone(faulty):
     """Three streams run; a request whose prefill pass fails gets a 500 that names the failure (streamed: the
     same, before its stream begins); the three streams go on to their ends, each a lone generate's tokens."""
-    lone, url, _ = faulty
+    lone, url, *_ = faulty
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     running = started_streams(url, prompts, 60)
     for stream in (False, True):
@@ -427,7 +428,7 @@ def test_failed_round_leaves_the_server_serving(faulty):
     """A decode pass that fails: the streams of its round end with an error chunk and [DONE], a request not streamed
     in it gets an OpenAI error object; then requests of other options (seeded, sampled, another method) all
     complete (in the old scheduler they waited for ever)."""
-    lone, url, fail_round = faulty
+    lone, url, fail_round, _ = faulty
     running = started_streams(url, [[1, 2, 3], [4, 5]], 60)
     with ThreadPoolExecutor(1) as pool:
         plain = pool.submit(post, url + "/v1/completions", {"prompt": [6, 7], "max_tokens": 60, "temperature": 0})
@@ -454,33 +455,44 @@ def test_failed_round_leaves_the_server_serving(faulty):
 
 
 def test_failed_drafting_is_a_plain_step(faulty, monkeypatch):
-    """Prompt lookup that fails in every round where a row holds DRAFT_POISON: those rounds are plain steps for the
-    whole batch, no request fails, and both streams are the target's greedy tokens."""
+    """Prompt lookup that fails in every round where a row holds DRAFT_POISON, with both requests in the batch:
+    those rounds are plain steps for the whole batch (the batch counts them in its draft_failures), no request
+    fails, and both streams are the target's greedy tokens."""
     from specrt.decoding.drafters import NgramDrafter
-    lone, url, _ = faulty
-    propose = NgramDrafter.propose
+    lone, url, _, server = faulty
+    scheduler, propose, fired = server.scheduler, NgramDrafter.propose, []
 
     def failing(self, run, gamma):
+        deadline = time.monotonic() + 60
+        while scheduler.taken + len(scheduler.waiting) < 2:   # the first round waits until both requests have come
+            assert time.monotonic() < deadline, "the second request never reached the scheduler"
+            time.sleep(0.01)
         if any(DRAFT_POISON in run.host_tokens[b, :run.host_lengths[b]] for b in range(run.batch)):
+            fired.append(run.batch)
             raise EngineFault("drafting failed (the test's drafter fault)")
         return propose(self, run, gamma)
 
     monkeypatch.setattr(NgramDrafter, "propose", failing)
+    before = scheduler.batch, scheduler.batch.draft_failures if scheduler.batch is not None else 0
     prompts = [[1, 2, 3, 1, 2], [4, DRAFT_POISON, 4, 5]]
-    streams = [sse(url + "/v1/completions", {"prompt": p, "max_tokens": 30, "temperature": 0,
-                                            "specrt": {"method": "ngram"}}) for p in prompts]
-    for prompt, stream in zip(prompts, streams):
-        events = list(stream)
+    body = {"max_tokens": 30, "temperature": 0, "specrt": {"method": "ngram", "gamma": 3}}   # drafts every round
+    with ThreadPoolExecutor(2) as pool:   # both sent at once, each stream read on its own thread
+        answers = list(pool.map(lambda p: list(sse(url + "/v1/completions", {"prompt": p, **body})), prompts))
+    for prompt, events in zip(prompts, answers):
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-2:]
         assert chunk_ids(events) == lone.generate(prompt_ids=prompt, max_new_tokens=30,
                                                   method="autoregressive").token_ids[0]
+    assert 2 in fired, f"drafting never failed with both rows in the batch: rows at each failure {fired}"
+    batch = scheduler.batch
+    failures = batch.stats()["draft_failures"] - (before[1] if batch is before[0] else 0)
+    assert failures == len(fired), (failures, fired)
 
 
 def test_failed_hand_out_answers_its_own_request_alone(faulty, monkeypatch):
     """Turning one stream's tokens into text fails (at a token only its output holds): that stream ends with an
     error event, the other one, in the same batch, runs to its end with the target's tokens."""
     from specrt.decoding.batch import Detokenizer
-    lone, url, _ = faulty
+    lone, url, *_ = faulty
     prompts = [[1, 2, 3], [4, 5]]
     want = [lone.generate(prompt_ids=p, max_new_tokens=40, method="autoregressive").token_ids[0] for p in prompts]
     bad = next(t for t in want[0][5:] if t not in want[1])
