@@ -203,6 +203,9 @@ def scrape(url: str) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+RUNNING = ("specrt:num_requests_running", (("model_name", "tiny"),))   # the gauge's key in scrape()'s answer
+
+
 def test_metrics_count_what_the_answers_say(tiny):
     """/metrics after Medusa requests (streamed, not streamed, n = 2 sampled): the speculative-decoding counters and
     the token counts grew by the sums of the answers' own figures, each sequence is in the latency histograms and
@@ -226,10 +229,7 @@ def test_metrics_count_what_the_answers_say(tiny):
     out = api.completions.create(model="tiny", prompt=[3, 1], max_tokens=7, n=2, temperature=0.9, extra_body=medusa)
     stats += out.specrt["choices"]
     prompt_tokens = sum(map(len, prompts)) + 2 + 2
-    deadline = time.monotonic() + 10
-    while (after := scrape(url))[("specrt:num_requests_running", (("model_name", "tiny"),))] != 0:
-        assert time.monotonic() < deadline, "the running gauge never came back to 0"
-        time.sleep(0.1)
+    after = wait_for(lambda: (m := scrape(url))[RUNNING] == 0 and m, "the running gauge came back to 0")
 
     def grew(name, **labels):
         key = (name, tuple(sorted({"model_name": "tiny", "method": "medusa", **labels}.items())))
@@ -280,11 +280,15 @@ def test_memory_flat_over_500_requests(tiny):
             api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                    extra_body={"specrt": {"method": ("draft", "ngram")[i % 4 // 2]}})
 
+    def idle_rss() -> float:   # once the rows of the streams closed early have been freed too
+        wait_for(lambda: scrape(url)[RUNNING] == 0, "the running gauge came back to 0")
+        return rss_mb(pid)
+
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(run, range(100)))
-        warm = rss_mb(pid)
+        warm = idle_rss()
         list(pool.map(run, range(100, 500)))
-    grown = rss_mb(pid) - warm
+    grown = idle_rss() - warm
     print(f"server memory after 100 requests {warm:.1f} MB, after 500 {warm + grown:.1f} MB")
     assert grown < 16, f"the server's memory grew by {grown:.1f} MB over 400 requests"
 
@@ -339,10 +343,8 @@ def test_closed_stream_stops_its_generation(tiny):
     out = api.completions.create(model="tiny", prompt=[3, 2, 1], max_tokens=8, temperature=0)
     assert out.choices[0].token_ids == \
         gen.generate(prompt_ids=[3, 2, 1], max_new_tokens=8, method="autoregressive").token_ids[0]
-    deadline = time.monotonic() + 10
-    while not (stopped := re.findall(r"generation stopped after (\d+) tokens", log.read_text())):
-        assert time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.2)
+    stopped = wait_for(lambda: re.findall(r"generation stopped after (\d+) tokens", log.read_text()),
+                       "the server logged no stopped generation")
     assert int(stopped[-1]) < MAX_LEN - 3
 
 
@@ -378,18 +380,18 @@ def in_process(app):
 def faulty(tiny):
     """`create_app` of the tiny engines under uvicorn in this process, its target's passes 5 ms slower (the streams
     are still running when the next request comes) and failing where the test says: a prefill pass over a prompt
-    that holds POISON, or the next decode pass once `fail_round` is set. Yields the lone generator, the URL,
-    fail_round and the app's Server."""
+    that holds POISON, or the next decode pass over at least `fail_rows[0]` rows once a test has put a count there.
+    Yields the lone generator, the URL, fail_rows and the app's Server."""
     from specrt.serving.server import create_app
     lone = tiny[0]
     gen = Generator.from_engines(lone.directory, threads=1)
-    forward, fail_round = gen.target.forward, threading.Event()
+    forward, fail_rows = gen.target.forward, []
 
     def failing(ids, *args, **kw):   # ids (B, S): S = 1 in a decode pass, the prompt's length in its prefill
         if ids.shape[1] > 1 and bool((ids == POISON).any()):
             raise EngineFault("a prefill pass failed (the test's engine fault)")
-        if ids.shape[1] == 1 and fail_round.is_set():
-            fail_round.clear()
+        if ids.shape[1] == 1 and fail_rows and ids.shape[0] >= fail_rows[0]:
+            fail_rows.clear()
             raise EngineFault("a decode pass failed (the test's engine fault)")
         time.sleep(0.005)
         return forward(ids, *args, **kw)
@@ -397,7 +399,7 @@ def faulty(tiny):
     gen.target.forward = failing
     app = create_app(gen, "tiny", method="autoregressive")
     with in_process(app) as url:
-        yield lone, url, fail_round, app.state.server
+        yield lone, url, fail_rows, app.state.server
 
 
 def started_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list:
@@ -428,18 +430,18 @@ def test_failed_round_leaves_the_server_serving(faulty):
     """A decode pass that fails: the streams of its round end with an error chunk and [DONE], a request not streamed
     in it gets an OpenAI error object; then requests of other options (seeded, sampled, another method) all
     complete (in the old scheduler they waited for ever)."""
-    lone, url, fail_round, _ = faulty
-    running = started_streams(url, [[1, 2, 3], [4, 5]], 60)
+    lone, url, fail_rows, _ = faulty
+    fail_rows.append(3)   # the first decode pass over the two streams and the request below fails
+    running = started_streams(url, [[1, 2, 3], [4, 5]], 200)
     with ThreadPoolExecutor(1) as pool:
         plain = pool.submit(post, url + "/v1/completions", {"prompt": [6, 7], "max_tokens": 60, "temperature": 0})
-        time.sleep(0.1)   # it joins the batch
-        fail_round.set()
         for first, stream in running:
             events = [first, *stream]
             assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error", events[-2:]
-            assert "EngineFault" in events[-2]["error"]["message"] and len(chunk_ids(events)) < 60
+            assert "EngineFault" in events[-2]["error"]["message"] and len(chunk_ids(events)) < 200
         code, doc = plain.result()
     assert code == 500 and "EngineFault" in doc["error"]["message"], doc
+    assert not fail_rows
     # seeded: the same draws as generate() only by the same method with no timing-driven choices
     others = [{"temperature": 0.8, "seed": 3}, {"temperature": 0.8}, {"temperature": 0},
               {"temperature": 0, "specrt": {"method": "ngram"}}]
@@ -641,10 +643,7 @@ def test_sigterm_stops_the_server(fresh):
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(post, url + "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0.8,
                                                               "seed": 1})   # a batch of its own: it waits
-        deadline = time.monotonic() + 30
-        while json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["waiting"] < 1:
-            assert time.monotonic() < deadline, "the second request never reached the scheduler"
-            time.sleep(0.1)
+        wait_for(lambda: health(url)["waiting"] >= 1, "the second request reached the scheduler")
         start = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         events += list(stream)
@@ -729,38 +728,42 @@ def test_oversized_body_is_a_413(limited):
 
 @pytest.mark.slow
 def test_waiting_bound_and_time_limit(limited):
-    """A stream holds the one row: a second request waits, a third is a 429; the stream's time runs out and it ends
-    with finish_reason length, the waiting one then completes; a prompt whose prefill outlasts the time limit gets
-    a 503. The server serves on."""
-    url, began = limited, time.monotonic()
+    """A stream holds the one row: a second request waits, a third is a 429 (sent once /health shows the second
+    waiting); the stream's client leaves and the waiting one completes. A stream that holds the row past the time
+    limit ends with finish_reason length; a prompt whose prefill outlasts the time limit gets a 503. The server
+    serves on."""
+    url = limited
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0, "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=60) as stream, ThreadPoolExecutor(1) as pool:
-        lines = [next(stream)]
-        while time.monotonic() - began < 1:   # the waiting request has 1 s of its time left once the stream ends
-            lines.append(next(stream))
+
+    def streamed():
+        return urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}), timeout=60)
+
+    with streamed() as stream, ThreadPoolExecutor(1) as pool:
+        next(stream)
         waiting = pool.submit(call, url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0.8,
                                                              "seed": 1})
-        deadline = time.monotonic() + 30
-        while json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["waiting"] < 1:
-            assert time.monotonic() < deadline, "the second request never reached the scheduler"
-            time.sleep(0.05)
+        wait_for(lambda: health(url)["waiting"] >= 1, "the second request reached the scheduler")
         code, doc, _ = call(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
         assert code == 429 and is_error(doc, "too_many_requests") and "--max-waiting 1" in doc["error"]["message"]
-        lines += list(stream)
-        took = time.monotonic() - began
+        stream.close()   # its row is freed at the next round: the waiting request joins
         code, doc, _ = waiting.result()
+    assert code == 200 and doc["usage"]["completion_tokens"] == 4, doc
+    began = time.monotonic()
+    with streamed() as stream:
+        lines = list(stream)
+    took = time.monotonic() - began
     events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
     assert lines[-2].strip() == b"data: [DONE]" or lines[-1].strip() == b"data: [DONE]", lines[-3:]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["specrt"]["stop_reason"] == \
         "time_limit", events[-1]
-    assert 0 < len(chunk_ids(events)) < 1000 and TIME_LIMIT_S <= took < TIME_LIMIT_S + 5, (len(chunk_ids(events)), took)
-    assert code == 200 and doc["usage"]["completion_tokens"] == 4, doc
+    assert 0 < len(chunk_ids(events)) < 1000 and TIME_LIMIT_S <= took < TIME_LIMIT_S + 10, (len(chunk_ids(events)),
+                                                                                           took)
     began = time.monotonic()
     code, doc, _ = call(url, "/v1/completions", {"prompt": "hello " * 2000, "max_tokens": 4})   # 251 passes
     assert code == 503 and is_error(doc, "timeout") and "--request-timeout" in doc["error"]["message"], doc
-    assert TIME_LIMIT_S <= time.monotonic() - began < TIME_LIMIT_S + 5
+    assert TIME_LIMIT_S <= time.monotonic() - began < TIME_LIMIT_S + 10
     assert call(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
 
 
