@@ -21,7 +21,8 @@ import schemathesis
 from conftest import export_tiny_with_heads, load_prompts
 from greedy_check import assert_same_or_tie
 from specrt.decoding.generate import Generator
-from specrt.serving.server import SHUTDOWN_GRACE_S, StopText
+from specrt.serving.completions import StopText
+from specrt.serving.server import SHUTDOWN_GRACE_S
 from specrt.measurement.serve_bench import server
 
 VOCAB, MAX_LEN = 128, 256

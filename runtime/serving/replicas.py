@@ -37,7 +37,8 @@ from ray.serve.exceptions import BackPressureError
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK
 from specrt.errors import InputError
 from specrt.serving.metrics import CONTENT_TYPE, merge
-from specrt.serving.server import APIError, Guard, Limits, _error, create_app, load
+from specrt.serving.protocol import APIError, error_body
+from specrt.serving.server import Guard, Limits, create_app, load
 
 REPLICA_HEADER = "x-specrt-replica"   # which replica answered: host:pid
 HUB = "specrt-metrics"   # the MetricsHub actor's name (namespace "specrt")
@@ -204,7 +205,7 @@ async def _relay(answer) -> AsyncIterator[bytes]:
             yield chunk
     except Exception as e:   # noqa: BLE001
         e = _replica_failed(e)
-        yield f"data: {json.dumps(_error(e.message, e.param, e.code, e.status))}\n\ndata: [DONE]\n\n".encode()
+        yield f"data: {json.dumps(error_body(e.message, e.param, e.code, e.status))}\n\ndata: [DONE]\n\n".encode()
     finally:
         answer.cancel()   # the client has gone: the replica frees the request's rows
 

@@ -1,0 +1,303 @@
+"""OpenAI's answers (vLLM's serving_completion / serving_chat): a request's options for the generator, its
+tokens from the scheduler, text cut at stop strings, and the answer: a completion, or server-sent events in OpenAI's
+chunk format."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import jinja2
+from fastapi.responses import StreamingResponse
+
+from specrt.decoding.generate import AUTO, METHODS, Generator
+from specrt.decoding.run import MODEL_FREE
+from specrt.decoding.sampling import SamplingParams
+from specrt.errors import InputError
+from specrt.serving.metrics import Metrics
+from specrt.serving.protocol import APIError, Message, BaseRequest, api_error, error_body
+from specrt.serving.scheduler import Job, Scheduler
+
+# ---- text with stop strings ----------------------------------------------------------------------------------------
+
+
+class StopText:
+    """Text as it grows, cut at the first stop string; holds back a tail that could begin one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.text, self.sent = stops, "", 0
+
+    def feed(self, new: str) -> tuple[str, bool]:
+        """The text that is safe to send now, and whether a stop string has come (the text ends before it)."""
+        self.text += new
+        cut = min((i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0),
+                  default=None)
+        if cut is not None:
+            out, self.sent = self.text[self.sent:cut], cut
+            return out, True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def _finish(stop_reason: str | None) -> str:
+    return "stop" if stop_reason == "eos" else "length"
+
+
+
+# ---- the server ----------------------------------------------------------------------------------------------------
+
+
+class Server:
+    """One generator, its scheduler, the answers."""
+
+    def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
+                 max_waiting: int | None = None, request_timeout: float | None = None):
+        self.gen, self.model_name = gen, model_name
+        self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
+        if method not in self.methods:
+            raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
+        if max_batch < 1:
+            raise InputError(f"max batch {max_batch}: must be at least 1")
+        self.method = method
+        greedy = gen.method_for(method, greedy=True)[0]   # what the default runs for greedy requests
+        if gen.has(greedy):   # its drafter now (its load errors too), the others at first use
+            getattr(gen, greedy)
+        self.max_len = gen.max_len
+        # the most characters a prompt that fits can have: every token covers at most the longest token's
+        self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
+        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting))
+        self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
+                                   max_waiting=max_waiting, timeout=request_timeout)
+
+    async def call(self, fn: Callable, *args):
+        """fn(*args) on the tokenizing thread (tokenizers are not shared between threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist: this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """A text that cannot fit the model's sequence length even in the tokenizer's longest tokens is refused
+        before it is tokenized (the one tokenizer thread is not held up by a huge prompt)."""
+        if self.token_chars is not None and chars > self.max_len * self.token_chars:
+            raise APIError(400, f"{param}: {chars} characters do not fit the model's maximum sequence length "
+                                f"{self.max_len} (at most {self.max_len * self.token_chars} characters: "
+                                f"{self.token_chars} a token at the most): shorten it", param,
+                           "context_length_exceeded")
+
+    def completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.gen.tokenizer is None:
+                raise APIError(400, f"prompt: {self.model_name} has no tokenizer: send the prompt as a list of "
+                                    "token ids", "prompt")
+            return self.gen.encode(prompt, chat=False)
+        vocab = self.gen.target.spec["vocab_size"]
+        bad = [i for i in prompt if not 0 <= i < vocab]
+        if not prompt or bad:
+            raise APIError(400, f"prompt: token ids {bad[:5] or prompt}: need at least one id, each in [0, {vocab})",
+                           "prompt")
+        return prompt
+
+    def chat_ids(self, messages: list[Message]) -> list[int]:
+        tok = self.gen.tokenizer
+        if tok is None or not tok.chat_template:
+            raise APIError(400, f"messages: {self.model_name} has no chat template: use /v1/completions with the "
+                                "prompt as text or token ids", "messages")
+        turns = [{"role": m.role, "content": m.content if not isinstance(m.content, list) else
+                  "".join(p.text for p in m.content)} for m in messages]
+        try:
+            ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"messages: the model's chat template refused them: {e}", "messages") from e
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def options(self, req: BaseRequest, ids: list[int], param: str, max_tokens: int | None) -> dict:
+        """generate()'s keyword arguments for a request whose prompt is `ids`."""
+        if not ids:
+            raise APIError(400, f"{param}: empty: it gives no token to start from; send some text", param)
+        if len(ids) >= self.max_len:
+            raise APIError(400, f"{param}: {len(ids)} tokens do not fit the model's maximum sequence length "
+                                f"{self.max_len} (with room for one new token): shorten it", param,
+                           "context_length_exceeded")
+        method = req.specrt.method or self.method
+        if method not in self.methods:
+            raise APIError(400, f"specrt.method {method!r}: {self.model_name} serves {', '.join(self.methods)}",
+                           "specrt.method")
+        if req.n > 1 and req.stream:
+            raise APIError(400, f"n {req.n}: a stream gives one choice; ask for n=1 or stream=false", "n")
+        if req.n > self.scheduler.capacity:
+            raise APIError(400, f"n {req.n}: this server decodes at most {self.scheduler.capacity} sequences at once "
+                                f"(--max-batch {self.scheduler.capacity}): ask for n <= {self.scheduler.capacity} in "
+                                "each request, or serve with a larger --max-batch", "n")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        try:
+            SamplingParams(temperature)   # what the schema cannot say: too small to divide by
+        except InputError as e:
+            raise APIError(400, str(e), "temperature") from e
+        return dict(max_new_tokens=max_tokens or self.max_len - len(ids), temperature=temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
+                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
+                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance)
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
+        """The scheduler's events for one request, until all its sequences have ended. Leaving early (client gone,
+        stop string) frees its rows at the next round."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:   # the event loop has closed: nobody is listening
+                pass
+
+        job = Job(ids, options, copies, put)
+        self.scheduler.submit(job)
+        ended = 0
+        try:
+            while ended < copies:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise api_error(event)   # the scheduler has logged where it came from
+                ended += event[0] == "end"
+                yield event
+        finally:
+            job.gone.set()
+
+    def method_run(self, options: dict) -> str:
+        """The method a request runs (`auto` resolved as its batch resolves it)."""
+        return self.gen.method_for(options["method"], greedy=options["temperature"] == 0)[0]
+
+    async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
+        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None). Its
+        finish reason is counted (abort: left before its end)."""
+        text, events, end = StopText(stops), self.events(ids, options, 1), "abort"
+        try:
+            async for kind, _, *rest in events:
+                if kind == "tokens":
+                    new_ids, new = rest
+                    new, stopped = text.feed(new or "")
+                    end = "stop" if stopped else end
+                    yield new, new_ids, "stop" if stopped else None, None
+                    if stopped:
+                        return
+                else:
+                    reason, tail, stats = rest
+                    new, stopped = text.feed(tail or "")
+                    end = "stop" if stopped else _finish(reason)
+                    yield (new if stopped else new + text.flush()), [], end, stats
+                    return
+        except Exception as e:
+            end = "error" if api_error(e).status >= 500 else None   # a refused request (400, 429) never ran
+            raise
+        finally:
+            if end is not None:
+                self.metrics.finish(self.method_run(options), end)
+            await events.aclose()
+
+    async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool):
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.model_name}
+        if req.n > 1:
+            texts, tokens, ends = [[] for _ in range(req.n)], [[] for _ in range(req.n)], {}
+            async for kind, i, *rest in self.events(ids, options, req.n):
+                if kind == "tokens":
+                    tokens[i] += rest[0]
+                    texts[i].append(rest[1] or "")
+                else:
+                    texts[i].append(rest[1] or "")
+                    ends[i] = (rest[0], rest[2])
+            choices = []
+            for i in range(req.n):
+                text = StopText(stops)
+                cut, stopped = text.feed("".join(texts[i]))
+                reason = "stop" if stopped else _finish(ends[i][0])
+                self.metrics.finish(ends[i][1]["method"], reason)
+                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
+            return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                    "usage": _usage(ids, sum(map(len, tokens))),
+                    "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
+                    | {"choices": [ends[i][1] for i in range(req.n)]}}
+        pieces = self.pieces(ids, options, stops)
+        first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(_events(first, pieces, head, chat, ids, usage), media_type="text/event-stream")
+        texts, tokens, reason, stats = [first[0]], list(first[1]), first[2], first[3]
+        if reason is None:
+            async for text, new, reason, stats in pieces:
+                texts.append(text)
+                tokens += new
+        choice = _choice(chat, 0, "".join(texts), tokens, reason)
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": _usage(ids, len(tokens)), "specrt": stats}
+
+
+def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
+            delta: bool = False) -> dict:
+    if not chat:
+        body = {"text": text or ""}
+    elif delta:
+        body = {"delta": {"content": text} if text is not None else {}}
+    else:
+        body = {"message": {"role": "assistant", "content": text or ""}}
+    return {"index": index, **body, "logprobs": None, "finish_reason": reason, "token_ids": token_ids}
+
+
+def _usage(ids: list[int], completion: int) -> dict:
+    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+
+
+async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, ids: list[int],
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format: the pieces, a last chunk with the finish reason, the usage
+    chunk when asked, then [DONE]."""
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+    def event(choices: list, usage: dict | None = None, stats: dict | None = None) -> str:
+        body = {**head, "choices": choices, **({"usage": usage} if include_usage else {}),
+                **({"specrt": stats} if stats else {})}
+        return f"data: {json.dumps(body)}\n\n"
+
+    if chat:
+        yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None, "token_ids": []}])
+    count = 0
+    try:
+        piece = first
+        while True:
+            text, tokens, reason, stats = piece
+            count += len(tokens)
+            if text or tokens:
+                yield event([_choice(chat, 0, text, tokens, None, delta=True)])
+            if reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
+                yield event([_choice(chat, 0, None if chat else "", [], reason, delta=True)], stats=stats)
+                break
+            piece = await anext(pieces)
+        if include_usage:
+            yield event([], _usage(ids, count))
+    except Exception as e:   # noqa: BLE001 -- any error ends the stream with an error chunk, then [DONE]
+        e = api_error(e)
+        yield f"data: {json.dumps(error_body(e.message, e.param, e.code, e.status))}\n\n"
+    finally:
+        await pieces.aclose()
+    yield "data: [DONE]\n\n"
+
