@@ -18,11 +18,15 @@ def extras() -> dict[str, dict[str, Requirement]]:
 
 def test_onnxruntime_binds_integer_element_types():
     """engines.base binds buffers with ONNX element types as integers (ONNX_TYPES), which IOBinding takes from
-    onnxruntime 1.20 (microsoft/onnxruntime#22306); both extras exclude the versions before it."""
+    onnxruntime 1.20 (microsoft/onnxruntime#22306): the cpu extra excludes the versions before it. The gpu extra
+    starts at 1.26, the first with the public OrtValue.from_dlpack that the CUDA engines' shared weights need
+    (engines.static.DLPACK_ORT)."""
+    from specrt.engines.static import DLPACK_ORT
     got = extras()
-    for extra, name in (("cpu", "onnxruntime"), ("gpu", "onnxruntime-gpu")):
-        spec = got[extra][name].specifier
-        assert "1.20.0" in spec and "1.19.2" not in spec and "1.18.1" not in spec, (extra, str(spec))
+    spec = got["cpu"]["onnxruntime"].specifier
+    assert "1.20.0" in spec and "1.19.2" not in spec and "1.18.1" not in spec, str(spec)
+    spec = got["gpu"]["onnxruntime-gpu"].specifier
+    assert f"{DLPACK_ORT}.0" in spec and "1.25.1" not in spec and "1.20.0" not in spec, str(spec)
 
 
 def test_tensorrt_stays_on_the_api_the_backend_is_written_for():

@@ -14,6 +14,7 @@ from specrt.decoding.drafters import _arange, chain_mask
 from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
 from specrt.decoding import processors
+from specrt.decoding.grammar import Grammar, Matcher
 from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, argmax, check_logprobs, probs, sample, token_logprobs
 from specrt.decoding.run import AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, Generation, _Joining, _Row, _Run
@@ -81,26 +82,28 @@ class Batch:
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-            logprobs: int | None = None, penalties: Penalties | None = None) -> None:
+            logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties)
+        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar)
         while self.joining:
             self.prefill()
 
     def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-             logprobs: int | None = None, penalties: Penalties | None = None) -> None:
+             logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
         the caller's handle for the rows, or a sequence of one per row. `logprobs`: each new token's log-probability
         and this many alternatives are kept (`_Row.logprobs`; None: not). `penalties`: its rows' processors of the
-        target's logits (processors.py). Bad requests are refused here."""
+        target's logits (processors.py); `grammar`: the grammar its output follows (decoding/grammar.py: each row
+        a Matcher of it). Bad requests are refused here."""
         check_logprobs(logprobs)
         if penalties is not None:
             penalties.check_vocab(self.gen.target.spec["vocab_size"])
         joining = self._reserve(ids, max_new_tokens, owner, copies)
         joining.logprobs = logprobs
         joining.penalties = penalties if penalties is not None and penalties.active else None
+        joining.grammar = grammar
         self.joining.append(joining)
 
     @property
@@ -202,8 +205,10 @@ class Batch:
         r, m, copies = run.batch, len(j.ids), j.copies
         if j.row != r:   # rows retired while it was prefilled
             self._place()
+        V = gen.target.spec["vocab_size"]
         run.rows += [_Row(o, m, j.max_new, logprobs_top=j.logprobs, penalties=j.penalties,
-                          context=Context(j.ids) if j.penalties else None) for o in j.owners]
+                          context=Context(j.ids) if j.penalties else None,
+                          matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
@@ -211,9 +216,12 @@ class Batch:
         for c in range(1, copies):
             run.pool.copy_row(r, r + c, m)
         logits = out.logits[:, -1]                                                     # (1, V)
-        if j.penalties is not None:
+        if j.penalties is not None or j.grammar is not None:
             logits = logits.clone()
-            processors.apply(logits[0], j.penalties, run.rows[r].context)
+            if j.penalties is not None:
+                processors.apply(logits[0], j.penalties, run.rows[r].context)
+            if j.grammar is not None:
+                processors.mask(logits[0], run.rows[r].matcher.allowed())
         logits = logits.expand(copies, -1)                                              # (copies, V)
         first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         if j.logprobs is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.decoding import processors, tuning, verification
+from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
@@ -19,6 +19,7 @@ from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDraf
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
+from specrt.decoding.grammar import Grammar
 from specrt.decoding.processors import Penalties
 from specrt.decoding.sampling import probs, token_logprobs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
@@ -194,6 +195,13 @@ class Generator:
         return DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth) if self.chains_only else shape
 
     # ---- inputs -------------------------------------------------------------------------------------------
+    def grammar(self, kind: str, spec=None) -> Grammar:
+        """A grammar for this engine set's tokenizer (grammar.compile_grammar: cached), for generate(grammar=...)
+        and Batch.join."""
+        if self.tokenizer is None:
+            raise InputError(f"{self.directory} has no tokenizer: grammars are compiled over one")
+        return grammar.compile_grammar(self.tokenizer, kind, spec)
+
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InputError(f"{self.directory} has no tokenizer: pass token ids (--prompt-ids 1,2,3)")
@@ -222,7 +230,8 @@ class Generator:
                  tree: bool = False, tree_choices: str | Path | Tree | None = None,
                  adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None,
                  min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> Generation:
+                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                 grammar: Grammar | tuple[str, object] | None = None) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -241,11 +250,13 @@ class Generator:
         `min_p` drops tokens below min_p × the most likely one's probability (after top-p); `presence_penalty`,
         `frequency_penalty` (OpenAI's), `repetition_penalty` and `logit_bias` ({token id: bias}) process the
         target's logits at every position in the context it has (processors.py): the output is the processed
-        target's, with every method."""
+        target's, with every method. `grammar`: the output follows it, ("json_object", None), ("json_schema",
+        {...}), ("regex", "...") or ("grammar", Lark or GBNF text), or a grammar.compile_grammar() result: every
+        position's distribution is the target's masked to what the grammar allows there."""
         rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
                               adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
-                              repetition_penalty, logit_bias)
+                              repetition_penalty, logit_bias, grammar)
         while True:
             try:
                 next(rounds)
@@ -292,7 +303,7 @@ class Generator:
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
                 acceptance: str = "exact", logprobs: int | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logit_bias: dict[int, float] | None = None):
+                logit_bias: dict[int, float] | None = None, grammar=None):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -304,6 +315,8 @@ class Generator:
                                  "must be at least 1")
             penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty,
                                   tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
+            if grammar is not None and not isinstance(grammar, Grammar):
+                grammar = self.grammar(*grammar)
             prompts = self._prompts(prompt, prompt_ids, chat)
             n = num_return_sequences
             room = max(map(len, prompts)) + max_new_tokens + 1
@@ -314,7 +327,7 @@ class Generator:
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,
-                          penalties=penalties)
+                          penalties=penalties, grammar=grammar)
             prefill_time = time.perf_counter() - started
             outputs: list = [None] * (len(prompts) * n)
             while True:
@@ -514,12 +527,29 @@ class Generator:
 
     @staticmethod
     def _processed(run: _Run, logits, tokens: list[list[int]] | None, tree, ids=None):
-        """The pass's logits (B, S, V) with each row's penalties applied at every node, in the context that node
-        has under autoregressive decoding (processors.node_paths): a copy where a row has penalties, else
-        `logits` itself. `tokens`: the pass's tokens per row (None: read from `ids` once, only then)."""
-        rows = [b for b, row in enumerate(run.rows) if row.penalties is not None and run.active[b]]
+        """The pass's logits (B, S, V) with each row's processors applied at every node in the context that node
+        has under autoregressive decoding (processors.node_paths): its penalties, then its grammar's mask (a node
+        whose own path leaves the grammar is left as it is: its parent's mask refuses its token, so it is never
+        reached). A copy where a row has processors, else `logits` itself. `tokens`: the pass's tokens per row
+        (None: read from `ids` once, only then)."""
+        rows = [b for b, row in enumerate(run.rows)
+                if (row.penalties is not None or row.matcher is not None) and run.active[b]]
         if not rows:
             return logits
+        logits = logits.clone() if isinstance(logits, torch.Tensor) else logits.copy()
+        tokens = tokens if tokens is not None else ids.tolist()
+        parent = tree.parent if tree is not None else None
+        for b in rows:
+            row = run.rows[b]
+            paths = processors.node_paths(tokens[b], parent)
+            if row.penalties is not None:
+                for i, path in enumerate(paths):
+                    processors.apply(logits[b, i], row.penalties, row.context, path)
+            if row.matcher is not None:
+                masks, ok = grammar.path_masks(row.matcher, paths)
+                for i in (i for i, inside in enumerate(ok) if inside):
+                    processors.mask(logits[b, i], masks[i])
+        return logits
         logits = logits.clone() if isinstance(logits, torch.Tensor) else logits.copy()
         tokens = tokens if tokens is not None else ids.tolist()
         parent = tree.parent if tree is not None else None
@@ -575,6 +605,8 @@ class Generator:
                 row.logprobs += run.round_logprobs[b][:len(new)]
             if row.context is not None:
                 row.context.add(new)
+            if row.matcher is not None:
+                row.matcher.advance(new)
             for tok in new:
                 tokens[b, length] = tok
                 length += 1

@@ -1,5 +1,5 @@
 """Logits processors that depend on a position's context: OpenAI's presence and frequency penalties, the
-repetition penalty and logit_bias.
+repetition penalty, logit_bias, and a grammar's mask (structured output, decoding/grammar.py).
 
 Speculation stays exact under them when the target's logits at every verified position are processed with the
 context that position has under autoregressive decoding: the committed tokens, then the drafted path above it (a
@@ -84,6 +84,14 @@ def apply(logits, penalties: Penalties, context: Context, path: list[int] = ()) 
         counts = context.counts + Counter(path) if path else context.counts
         if counts:
             logits[ids(list(counts))] -= penalties.frequency * values(list(counts.values())) + penalties.presence
+
+
+def mask(logits, allowed: np.ndarray) -> None:
+    """Tokens a grammar does not allow get logit −inf, in place (logits (V,), allowed (V,) bool)."""
+    if isinstance(logits, np.ndarray):
+        logits[~allowed] = -np.inf
+    else:
+        logits.masked_fill_(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
 
 
 def node_paths(tokens: list[int], parent: tuple[int, ...] | None) -> list[list[int]]:

@@ -8,6 +8,7 @@ import torch
 
 from specrt.decoding import tuning
 from specrt.decoding.drafters import PassInputs
+from specrt.decoding.grammar import Grammar, Matcher
 from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, TokenLogprob
 
@@ -50,6 +51,7 @@ class _Joining:
     done: int = 0                   # prompt positions prefilled so far
     logprobs: int | None = None     # report each new token's log-probability and this many alternatives
     penalties: Penalties | None = None   # its context-dependent logits processors
+    grammar: Grammar | None = None       # its output's grammar (structured output)
 
     @property
     def copies(self) -> int:
@@ -73,6 +75,7 @@ class _Row:
     logprobs: list[TokenLogprob] = field(default_factory=list)       # one per new token, when asked for
     penalties: Penalties | None = None   # processors of the target's logits at its positions, with...
     context: Context | None = None       # ...its tokens so far (processors.py)
+    matcher: Matcher | None = None       # its place in its grammar, at its committed tokens
 
 
 class _Run:
