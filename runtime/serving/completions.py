@@ -9,16 +9,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import jinja2
 from fastapi.responses import StreamingResponse
 
 from specrt.decoding.generate import AUTO, METHODS, Generator
+from specrt.decoding.processors import Penalties
 from specrt.decoding.run import MODEL_FREE
 from specrt.decoding.sampling import SamplingParams
 from specrt.errors import InputError
+from specrt.serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from specrt.serving.metrics import Metrics
-from specrt.serving.protocol import APIError, Message, BaseRequest, api_error, error_body
+from specrt.serving.protocol import APIError, BaseRequest, ChatRequest, Message, api_error, error_body
 from specrt.serving.scheduler import Job, Scheduler
 
 # ---- text with stop strings ----------------------------------------------------------------------------------------
@@ -49,8 +52,18 @@ class StopText:
 
 
 def _finish(stop_reason: str | None) -> str:
-    return "stop" if stop_reason == "eos" else "length"
+    return "stop" if stop_reason in ("eos", "stop_token") else "length"
 
+
+@dataclass
+class Piece:
+    """What a round added to one sequence: its text (cut at a stop string), token ids, their TokenLogprobs (None:
+    not asked for), and at its end the finish reason and the sequence's figures."""
+    text: str | None
+    ids: list[int]
+    logprobs: list | None = None
+    reason: str | None = None
+    stats: dict | None = None
 
 
 # ---- the server ----------------------------------------------------------------------------------------------------
@@ -74,6 +87,7 @@ class Server:
         self.max_len = gen.max_len
         # the most characters a prompt that fits can have: every token covers at most the longest token's
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
+        self.token_texts = TokenTexts(gen.tokenizer)   # logprobs' token texts and bytes
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
         self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting))
         self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
@@ -121,7 +135,8 @@ class Server:
             raise APIError(400, f"messages: {self.model_name} has no chat template: use /v1/completions with the "
                                 "prompt as text or token ids", "messages")
         turns = [{"role": m.role, "content": m.content if not isinstance(m.content, list) else
-                  "".join(p.text for p in m.content)} for m in messages]
+                  "".join(p.text for p in m.content)} | ({"name": m.name} if m.name is not None else {})
+                 for m in messages]
         try:
             ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
         except jinja2.TemplateError as e:
@@ -129,7 +144,8 @@ class Server:
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
     def options(self, req: BaseRequest, ids: list[int], param: str, max_tokens: int | None) -> dict:
-        """generate()'s keyword arguments for a request whose prompt is `ids`."""
+        """generate()'s keyword arguments for a request whose prompt is `ids`, and its stop_token_ids. What the
+        schema cannot say is checked here, each a 400 that names its field."""
         if not ids:
             raise APIError(400, f"{param}: empty: it gives no token to start from; send some text", param)
         if len(ids) >= self.max_len:
@@ -151,10 +167,43 @@ class Server:
             SamplingParams(temperature)   # what the schema cannot say: too small to divide by
         except InputError as e:
             raise APIError(400, str(e), "temperature") from e
+        top_k = max(req.top_k or 0, 0)   # vLLM's -1 is off, as 0 is
+        if top_k and req.specrt.top_k and top_k != req.specrt.top_k:
+            raise APIError(400, f"top_k {req.top_k} and specrt.top_k {req.specrt.top_k}: give one of them", "top_k")
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids), temperature=temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.specrt.top_k, seed=req.seed,
-                    method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
-                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance)
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or req.specrt.top_k, seed=req.seed,
+                    min_p=req.min_p or 0.0, method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
+                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, logprobs=self.logprobs(req),
+                    penalties=self.penalties(req), stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [],
+                                                                                           "stop_token_ids")))
+
+    def logprobs(self, req: BaseRequest) -> int | None:
+        """How many alternatives each token's logprobs carry (None: no logprobs): the chat's top_logprobs when
+        logprobs is true, the completions' logprobs."""
+        if not isinstance(req, ChatRequest):
+            if req.best_of not in (None, req.n):
+                raise APIError(400, f"best_of {req.best_of}: only equal to n ({req.n}) is served (each of n "
+                                    "sequences is answered); ask for n", "best_of", "unsupported_value")
+            return req.logprobs
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, f"top_logprobs {req.top_logprobs}: needs logprobs: true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    def penalties(self, req: BaseRequest) -> Penalties | None:
+        """The request's processors of the target's logits (None: none)."""
+        bias = req.logit_bias or {}
+        tokens = self.token_ids([int(t) for t in bias], "logit_bias")
+        penalties = Penalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
+                              1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              tuple(sorted(zip(tokens, bias.values()))))
+        return penalties if penalties.active else None
+
+    def token_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.gen.target.spec["vocab_size"]
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise APIError(400, f"{param}: token ids {bad[:5]}: each must be in [0, {vocab})", param)
+        return ids
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def events(self, ids: list[int], options: dict, copies: int) -> AsyncIterator[tuple]:
@@ -185,24 +234,23 @@ class Server:
         """The method a request runs (`auto` resolved as its batch resolves it)."""
         return self.gen.method_for(options["method"], greedy=options["temperature"] == 0)[0]
 
-    async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[tuple]:
-        """One sequence as the rounds produce it: (text, token ids, finish reason or None, stats or None). Its
-        finish reason is counted (abort: left before its end)."""
+    async def pieces(self, ids: list[int], options: dict, stops: list[str]) -> AsyncIterator[Piece]:
+        """One sequence as the rounds produce it. Its finish reason is counted (abort: left before its end)."""
         text, events, end = StopText(stops), self.events(ids, options, 1), "abort"
         try:
             async for kind, _, *rest in events:
                 if kind == "tokens":
-                    new_ids, new = rest
+                    new_ids, new, logprobs = rest
                     new, stopped = text.feed(new or "")
                     end = "stop" if stopped else end
-                    yield new, new_ids, "stop" if stopped else None, None
+                    yield Piece(new, new_ids, logprobs, "stop" if stopped else None)
                     if stopped:
                         return
                 else:
                     reason, tail, stats = rest
                     new, stopped = text.feed(tail or "")
                     end = "stop" if stopped else _finish(reason)
-                    yield (new if stopped else new + text.flush()), [], end, stats
+                    yield Piece(new if stopped else new + text.flush(), [], None, end, stats)
                     return
         except Exception as e:
             end = "error" if api_error(e).status >= 500 else None   # a refused request (400, 429) never ran
@@ -212,16 +260,26 @@ class Server:
                 self.metrics.finish(self.method_run(options), end)
             await events.aclose()
 
+    def logprobs_format(self, chat: bool) -> Callable[[list], dict]:
+        """A sequence's logprobs in its answer's shape, piece by piece (the legacy completions' `text_offset` runs
+        on over the pieces)."""
+        if chat:
+            return lambda logprobs: chat_logprobs(self.token_texts, logprobs)
+        return CompletionLogprobs(self.token_texts).piece
+
     async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool):
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
+        want = options["logprobs"] is not None
         if req.n > 1:
-            texts, tokens, ends = [[] for _ in range(req.n)], [[] for _ in range(req.n)], {}
+            texts, tokens, lps, ends = [[] for _ in range(req.n)], [[] for _ in range(req.n)], \
+                [[] for _ in range(req.n)], {}
             async for kind, i, *rest in self.events(ids, options, req.n):
                 if kind == "tokens":
                     tokens[i] += rest[0]
                     texts[i].append(rest[1] or "")
+                    lps[i] += rest[2] or []
                 else:
                     texts[i].append(rest[1] or "")
                     ends[i] = (rest[0], rest[2])
@@ -231,45 +289,50 @@ class Server:
                 cut, stopped = text.feed("".join(texts[i]))
                 reason = "stop" if stopped else _finish(ends[i][0])
                 self.metrics.finish(ends[i][1]["method"], reason)
-                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason))
+                logprobs = self.logprobs_format(chat)(lps[i]) if want else None
+                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason, logprobs))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens))),
                     "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
                     | {"choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
+        fmt = self.logprobs_format(chat) if want else None
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(_events(first, pieces, head, chat, ids, usage), media_type="text/event-stream")
-        texts, tokens, reason, stats = [first[0]], list(first[1]), first[2], first[3]
-        if reason is None:
-            async for text, new, reason, stats in pieces:
-                texts.append(text)
-                tokens += new
-        choice = _choice(chat, 0, "".join(texts), tokens, reason)
+            return StreamingResponse(_events(first, pieces, head, chat, ids, usage, fmt),
+                                     media_type="text/event-stream")
+        got = [first]
+        if first.reason is None:
+            got += [piece async for piece in pieces]
+        tokens = [t for piece in got for t in piece.ids]
+        logprobs = None
+        if fmt is not None:
+            logprobs = fmt([lp for piece in got for lp in piece.logprobs or []])
+        choice = _choice(chat, 0, "".join(piece.text or "" for piece in got), tokens, got[-1].reason, logprobs)
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": _usage(ids, len(tokens)), "specrt": stats}
+                "usage": _usage(ids, len(tokens)), "specrt": got[-1].stats}
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
-            delta: bool = False) -> dict:
+            logprobs: dict | None = None, delta: bool = False) -> dict:
     if not chat:
         body = {"text": text or ""}
     elif delta:
         body = {"delta": {"content": text} if text is not None else {}}
     else:
         body = {"message": {"role": "assistant", "content": text or ""}}
-    return {"index": index, **body, "logprobs": None, "finish_reason": reason, "token_ids": token_ids}
+    return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
 
 
 def _usage(ids: list[int], completion: int) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
 
 
-async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, ids: list[int],
-                  include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format: the pieces, a last chunk with the finish reason, the usage
-    chunk when asked, then [DONE]."""
+async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: bool, ids: list[int],
+                  include_usage: bool, logprobs: Callable[[list], dict] | None) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format: the pieces (each with its tokens' logprobs when asked), a last
+    chunk with the finish reason, the usage chunk when asked, then [DONE]."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def event(choices: list, usage: dict | None = None, stats: dict | None = None) -> str:
@@ -284,12 +347,12 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
     try:
         piece = first
         while True:
-            text, tokens, reason, stats = piece
-            count += len(tokens)
-            if text or tokens:
-                yield event([_choice(chat, 0, text, tokens, None, delta=True)])
-            if reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
-                yield event([_choice(chat, 0, None if chat else "", [], reason, delta=True)], stats=stats)
+            count += len(piece.ids)
+            if piece.text or piece.ids:
+                lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
+                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True)])
+            if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
+                yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=piece.stats)
                 break
             piece = await anext(pieces)
         if include_usage:
@@ -300,4 +363,3 @@ async def _events(first: tuple, pieces: AsyncIterator, head: dict, chat: bool, i
     finally:
         await pieces.aclose()
     yield "data: [DONE]\n\n"
-

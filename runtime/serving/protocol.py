@@ -2,7 +2,7 @@
 `specrt` extension field) and the errors, OpenAI's error objects."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,25 +11,40 @@ from specrt.decoding.generate import AUTO, METHODS
 from specrt.decoding.sampling import ACCEPTANCE
 from specrt.errors import InputError, SpecrtError
 
-# ---- the request schema (OpenAI's fields that specrt serves; other fields are ignored) -----------------------------
+# ---- the request schema ----------------------------------------------------------------------------------------------
+# Every field a request may carry is declared: served, or accepted with no effect (NO_EFFECT in its description). Any
+# other field is a 400 that names it: one of `refused` with the reason (not served, or not yet), else an unknown one.
+# The OpenAPI document is made from these models, so it says what is served.
+
+NO_EFFECT = "Accepted; no effect on the answer."
+LOGPROBS_MAX = 20   # alternatives per token (OpenAI's top_logprobs bound; the loop's MAX_LOGPROBS)
 
 
-class SpecrtOptions(BaseModel):
-    """The `specrt` extension field of a request: how to speculate (generate()'s keyword arguments)."""
+class Forbid(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class SpecrtOptions(Forbid):
+    """The `specrt` extension field of a request: how to speculate (generate()'s keyword arguments)."""
     method: Literal[(AUTO, *METHODS)] | None = None  # default: the server's --method
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, description="The same as the top-level top_k (0: off).")
     gamma: int | None = Field(None, ge=1, le=64)
     tree: bool = False
     adaptive: bool = True
     acceptance: Literal[ACCEPTANCE] = "exact"  # typical: Medusa's typical acceptance, NOT the target's distribution
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Forbid):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description=NO_EFFECT)
 
 
-class BaseRequest(BaseModel):
+TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]   # logit_bias's keys: token ids as JSON's string keys
+Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
+class BaseRequest(Forbid):
+    """The fields both endpoints take."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)   # OpenAI's default 1.0; 0 is greedy
@@ -39,27 +54,123 @@ class BaseRequest(BaseModel):
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=1024)
+    user: str | None = Field(None, description=NO_EFFECT)
+    # vLLM's extensions, top level as vLLM takes them
+    top_k: int | None = Field(None, ge=-1, description="Sample from the k most likely tokens (0 or -1: off).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Drop tokens below min_p times the most likely one's "
+                                                               "probability (0: off).")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100, description="Divide the logits of the tokens "
+                                             "of the prompt and the output so far by it where positive, multiply "
+                                             "where negative (1: off).")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64, description="Stop after "
+                                                                    "any of these tokens (it is in token_ids, not "
+                                                                    "in the text).")
     specrt: SpecrtOptions = Field(default_factory=SpecrtOptions)
+
+    # fields that OpenAI's API has and this server does not serve (yet): a 400 that says so. `refused` reads the raw
+    # body, before the model validates it (values a field takes but does not serve fail its validation too)
+    REFUSED: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def refused(cls, body: dict) -> tuple[str, str] | None:
+        """(param, why) of the first field or value of `body` that this endpoint does not serve, else None."""
+        for name, why in cls.REFUSED.items():
+            if body.get(name) is not None:
+                return name, why
+        return None
 
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[int]                         # text (no chat template) or token ids
     max_tokens: int | None = Field(16, ge=1)        # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Each token's log-probability and this "
+                                 "many alternatives (with the chosen token's, up to N + 1).")
+    echo: Literal[False] | None = Field(None, description="Only false: the answer holds the completion alone.")
+    best_of: int | None = Field(None, ge=1, le=64, description="Only equal to n (no effect).")
+    REFUSED: ClassVar[dict[str, str]] = {
+        "suffix": "insertion (a text after the completion) is not served",
+    }
+
+    @classmethod
+    def refused(cls, body: dict) -> tuple[str, str] | None:
+        if body.get("echo") is True:
+            return "echo", "not served: the answer holds the completion alone; prepend the prompt yourself"
+        return super().refused(body)
 
 
-class TextPart(BaseModel):
+class TextPart(Forbid):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
+class Message(Forbid):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="Given to the model's chat template, which may use it or not.")
+
+
+class ResponseFormat(Forbid):
+    """Only plain text today (`{"type": "text"}`, the default); json_object and json_schema come with structured
+    output."""
+    type: Literal["text"]
 
 
 class ChatRequest(BaseRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="Each token's log-probability (choices[i].logprobs.content).")
+    top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Alternatives per token (needs "
+                                     "logprobs: true).")
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = Field(None, description="Only [\"text\"].")
+    metadata: dict[str, str] | None = Field(None, description=NO_EFFECT)
+    store: bool | None = Field(None, description=NO_EFFECT)
+    service_tier: str | None = Field(None, description=NO_EFFECT)
+    parallel_tool_calls: bool | None = Field(None, description=NO_EFFECT + " (No tools are served yet.)")
+    safety_identifier: str | None = Field(None, description=NO_EFFECT)
+    prompt_cache_key: str | None = Field(None, description=NO_EFFECT)
+    prompt_cache_retention: str | None = Field(None, description=NO_EFFECT)
+    REFUSED: ClassVar[dict[str, str]] = {
+        "tools": "tool calls are not served yet",
+        "tool_choice": "tool calls are not served yet",
+        "functions": "function calls are not served (nor tool calls yet)",
+        "function_call": "function calls are not served (nor tool calls yet)",
+        "audio": "audio output is not served: specrt answers in text",
+        "prediction": "predicted outputs are not served (specrt speculates with its own drafters: the `specrt` "
+                      "field's method)",
+        "reasoning_effort": "reasoning effort is not served: the model answers as it does",
+        "verbosity": "verbosity is not served: the model answers as it does",
+        "web_search_options": "web search is not served",
+        "moderation": "moderation is not served",
+    }
+
+    @classmethod
+    def refused(cls, body: dict) -> tuple[str, str] | None:
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            return "response_format", f"{fmt['type']!r} (structured output) is not served yet: only {{\"type\": " \
+                                      "\"text\"}"
+        modalities = body.get("modalities")
+        if isinstance(modalities, list) and any(m != "text" for m in modalities):
+            return "modalities", f"{modalities}: only [\"text\"] is served"
+        messages = body.get("messages")
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            if not isinstance(message, dict):
+                continue
+            for name in ("tool_calls", "tool_call_id", "function_call"):
+                if message.get(name) is not None:
+                    return f"messages[{i}].{name}", "tool calls are not served yet"
+            if message.get("audio") is not None:
+                return f"messages[{i}].audio", "audio is not served: specrt reads and answers text"
+            if isinstance(message.get("content"), list):
+                for j, part in enumerate(message["content"]):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind not in (None, "text"):
+                        return f"messages[{i}].content[{j}].type", f"{kind!r} content is not served: text only"
+        return super().refused(body)
 
 
 class ErrorDetail(BaseModel):
@@ -130,3 +241,23 @@ def param_of(loc: tuple) -> str | None:
             break
     return param or None
 
+
+
+def invalid(model: type[BaseRequest] | None, body, errors: list[dict]) -> APIError:
+    """A body that does not validate, as a 400 that names the field: malformed JSON; a field or value this endpoint
+    does not serve (`model.refused`); an unknown field; else the first field whose value is wrong."""
+    if errors[0]["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {errors[0]['msg']} ({errors[0].get('ctx', {}).get('error', '')})",
+                        None, "invalid_json")
+    if model is not None and isinstance(body, dict) and (refused := model.refused(body)) is not None:
+        param, why = refused
+        return APIError(400, f"{param}: {why}", param, "unsupported_parameter")
+    unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+    if unknown:
+        param = param_of(unknown[0]["loc"])
+        return APIError(400, f"{param}: an unknown field; this server takes OpenAI's fields that it serves, some "
+                             "with no effect, and refuses any other by name (its /openapi.json lists them)", param,
+                        "unknown_parameter")
+    param = param_of(errors[0]["loc"])
+    msgs = dict.fromkeys(err["msg"] for err in errors if param_of(err["loc"]) == param)   # a union's branches
+    return APIError(400, f"{param or 'body'}: {' or '.join(msgs)}", param)

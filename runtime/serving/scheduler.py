@@ -29,14 +29,15 @@ def shutting_down() -> APIError:
                          "server", code="server_shutting_down")
 
 
-
 @dataclass(eq=False)
 class Job:
-    """One request's sequences in the scheduler. Its events, through `put`: ("tokens", index, ids, text) as rounds
-    add tokens, ("end", index, stop reason, text, stats) when sequence `index` ends (the text a split character
-    held back), or an exception."""
+    """One request's sequences in the scheduler. Its events, through `put`: ("tokens", index, ids, text, logprobs)
+    as rounds add tokens (their TokenLogprobs, or None when the request asked for none), ("end", index, stop reason,
+    text, stats) when sequence `index` ends (the text a split character held back), or an exception. A sequence that
+    emits one of its `stop_token_ids` ends there: that token is its last (its text is not in the text), the tokens
+    the round added after it are dropped, its stop reason is "stop_token"."""
     ids: list[int]
-    options: dict                      # generate()'s keyword arguments
+    options: dict                      # generate()'s keyword arguments, and the request's stop_token_ids
     copies: int
     put: Callable
     gone: threading.Event = field(default_factory=threading.Event)   # the request has ended: free its rows
@@ -44,13 +45,21 @@ class Job:
     arrived: float = 0.0               # when the scheduler got it (time.perf_counter())
     deadline: float = float("inf")     # when its time is up (--request-timeout), on the same clock
     latency: list = field(default_factory=list)   # a Latency per sequence
+    stopped: set = field(default_factory=set)      # the sequences that a stop token has ended
+
+    def stop_token(self, ids: list[int]) -> int | None:
+        """Where the first of the request's stop tokens is in `ids`, if any."""
+        stops = self.options.get("stop_token_ids")
+        return next((k for k, t in enumerate(ids) if t in stops), None) if stops else None
 
     @property
     def key(self):
         """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
-        ignores top-k and top-p). A seeded request runs in a batch of its own, so that its seed reproduces it."""
+        ignores top-k, top-p and min-p). A seeded request runs in a batch of its own, so that its seed reproduces it.
+        Penalties, logit_bias and logprobs are each row's own."""
         o = self.options
-        sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o["acceptance"])
+        sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o.get("min_p", 0.0),
+                                                         o["acceptance"])
         if o["seed"] is not None:
             sampling = (self,)
         return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
@@ -246,11 +255,12 @@ class Scheduler:
             if self.batch is None:
                 self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
                                             top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
-                                            tree=o["tree"], adaptive=o["adaptive"], acceptance=o["acceptance"])
+                                            tree=o["tree"], adaptive=o["adaptive"], acceptance=o["acceptance"],
+                                            min_p=o.get("min_p", 0.0))
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
-                            copies=job.copies)
+                            copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"))
             self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
@@ -272,7 +282,8 @@ class Scheduler:
         self._fail(e)
 
     def _dispatch(self) -> None:
-        """New tokens to their jobs; rows of jobs that have gone are cancelled; finished rows retired."""
+        """New tokens to their jobs; rows of jobs that have gone, or that a stop token ended, are cancelled;
+        finished rows retired."""
         batch = self.batch
         if batch is None:
             return
@@ -283,6 +294,7 @@ class Scheduler:
             if ids and row.owner[0] not in failed:
                 self._isolated(failed, row.owner[0], "handing a sequence its tokens", self._hand_out, batch, row, ids,
                                now)
+        batch.cancel(lambda owner: owner[1] in owner[0].stopped, reason="stop_token")
         batch.cancel(lambda owner: owner[0].gone.is_set() or owner[0] in failed)
         for row, tokens in batch.retire():
             if row.owner[0] not in failed:   # (its row has left the batch already)
@@ -301,12 +313,19 @@ class Scheduler:
 
     def _hand_out(self, batch: Batch, row, ids: list[int], now: float) -> None:
         job, index = row.owner
+        if index in job.stopped:
+            return
         latency = job.latency[index]
-        first = latency.first is None
+        first, sent = latency.first is None, latency.tokens
+        text = ids
+        if (cut := job.stop_token(ids)) is not None:   # the stop token is its last; its text is not shown
+            ids, text = ids[:cut + 1], ids[:cut]
+            job.stopped.add(index)
         self.metrics.handed(batch.method, len(ids), now - job.arrived if first else None,
                             None if first else now - latency.last)
         latency.handed(now, len(ids))
-        job.put(("tokens", index, ids, job.texts[index].feed(ids)))
+        logprobs = row.logprobs[sent:sent + len(ids)] if row.logprobs_top is not None else None
+        job.put(("tokens", index, ids, job.texts[index].feed(text), logprobs))
 
     def _end(self, batch: Batch, row, tokens: list[int]) -> None:
         job, index = row.owner
@@ -316,8 +335,11 @@ class Scheduler:
         elif row.stop_reason == "time_limit":
             log.info("generation stopped after %d tokens: the request's time is up (--request-timeout %g s)",
                      len(tokens), self.timeout)
-        stats = {**batch.row_stats(row, len(tokens)), "batch_rounds": batch.batch_rounds(),
+        reason = row.stop_reason
+        if index in job.stopped:   # a stop token came (the round may have ended the row for another reason too)
+            tokens, reason = tokens[:job.latency[index].tokens], "stop_token"
+        stats = {**batch.row_stats(row, len(tokens)), "stop_reason": reason, "batch_rounds": batch.batch_rounds(),
                  **job.latency[index].stats(job.arrived)}
         self.metrics.ended(batch.method, stats, time.perf_counter() - job.arrived)
-        job.put(("end", index, row.stop_reason, job.texts[index].feed([], final=True), stats))
+        job.put(("end", index, reason, job.texts[index].feed([], final=True), stats))
 

@@ -34,7 +34,7 @@ from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
 from specrt.serving.completions import Server
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
-                                     param_of)
+                                     invalid)
 from specrt.serving.scheduler import Job, Scheduler  # noqa: F401 -- re-exported: the scheduler's users import it here
 
 SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running requests may still take
@@ -44,6 +44,8 @@ SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running request
 SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 ANSWERS = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
            **error_responses(400, 401, 404, 413, 429, 500, 503)}
+
+REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}   # each route's schema
 
 MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
 
@@ -126,14 +128,8 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         return api_error(e).response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        if errors[0]["type"] == "json_invalid":
-            return APIError(400, f"malformed JSON body: {errors[0]['msg']} "
-                                 f"({errors[0].get('ctx', {}).get('error', '')})", None, "invalid_json").response()
-        param = param_of(errors[0]["loc"])
-        msgs = dict.fromkeys(err["msg"] for err in errors if param_of(err["loc"]) == param)   # a union's branches
-        return APIError(400, f"{param or 'body'}: {' or '.join(msgs)}", param).response()
+    async def invalid_body(request: Request, e: RequestValidationError):
+        return invalid(REQUESTS.get(request.url.path), e.body, e.errors()).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
