@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -78,6 +79,7 @@ class Batch:
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
                         gen._pool(capacity, cache_len))
         self.joining: collections.deque[_Joining] = collections.deque()   # oldest first, in rows after the live
+        self.prompt_tokens = self.cached_tokens = 0   # the requests' prompt tokens, those from the prefix cache
         gen.engine_time = 0.0
 
     # ---- rows in and out ----------------------------------------------------------------------------------
@@ -177,6 +179,8 @@ class Batch:
         the drafter, into its row; after the last chunk its rows join. Returns the last chunk's pass once they
         have (its buffers valid until the next pass), None before."""
         run, gen = self.run, self.gen
+        if j.cached is None:
+            self._restore(j)
         m, start, dev = len(j.ids), j.done, run.device
         # the odd-sized chunk first: the passes over the longest context, the largest, then share one shape (the
         # engines' allocators reuse their buffers rather than adding new ones for a last, smaller pass)
@@ -195,8 +199,32 @@ class Batch:
             self.drafter.prefill(run, j.row, prompt, start, feats)
         if j.done < m:
             return None
+        if gen.prefix_cache is not None:
+            parts = {"target": (j.cache.data[:, 0], 2, m)}                             # (2L, Hkv, Smax, D)
+            gen.prefix_cache.store(j.ids, parts | (self.drafter.cache_parts(j.row, m) if self.drafter else {}))
         self._join(j, out)
         return out
+
+    def _restore(self, j: _Joining) -> None:
+        """The longest prefix of a joining request's prompt that the generator's prefix cache holds, with every part
+        the method needs, into its row: the target's keys and values, and the drafter's state (its `restore`: the
+        draft model's cache copied, EAGLE's layer prefilled from the target's cached states). Its prefill goes on
+        from there."""
+        cache, run = self.gen.prefix_cache, self.run
+        j.cached = 0
+        self.prompt_tokens += len(j.ids)
+        if cache is None:
+            return
+        hit = cache.match(j.ids, ("target", *(self.drafter.cached if self.drafter else ())))
+        if not hit.tokens:
+            return
+        cache.read(hit, "target", j.cache.data[:, 0], axis=2)                          # (2L, Hkv, Smax, D)
+        j.cache.truncate(hit.tokens)
+        if self.drafter is not None:
+            self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), hit.tokens,
+                                 functools.partial(cache.read, hit), self.gen.prefill_chunk)
+        j.done = j.cached = hit.tokens
+        self.cached_tokens += hit.tokens
 
     def _join(self, j: _Joining, out) -> None:
         """A request's prompt is in its row (`out`: the target's pass over its last chunk): the rows go live, each
@@ -206,7 +234,7 @@ class Batch:
         if j.row != r:   # rows retired while it was prefilled
             self._place()
         V = gen.target.spec["vocab_size"]
-        run.rows += [_Row(o, m, j.max_new, logprobs_top=j.logprobs, penalties=j.penalties,
+        run.rows += [_Row(o, m, j.max_new, cached=j.cached, logprobs_top=j.logprobs, penalties=j.penalties,
                           context=Context(j.ids) if j.penalties else None,
                           matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None) for o in j.owners]
         run.resize(r + copies)
@@ -356,7 +384,8 @@ class Batch:
                 "rounds": row.rounds, "acceptance_rate": row.accepted / row.proposed if row.proposed else None,
                 "mean_tokens_per_round": (tokens - 1) / row.rounds if row.rounds else None,
                 "stop_reason": row.stop_reason, "drafts": row.drafts, "draft_tokens": row.proposed,
-                "accepted_tokens": row.accepted, "accepted_per_position": list(row.accepted_per_position)}
+                "accepted_tokens": row.accepted, "accepted_per_position": list(row.accepted_per_position),
+                "prefix_cache_tokens": row.cached}
 
     def batch_rounds(self) -> dict:
         """Rounds by live rows since the batch began, and how many of them speculated."""
@@ -377,6 +406,8 @@ class Batch:
                 self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
             "batch_rounds": self.batch_rounds(),
             "draft_failures": self.draft_failures,   # rounds a failed drafting made plain steps (logged)
+            "prompt_tokens": self.prompt_tokens,     # the prompts prefilled, and their positions that came from
+            "prefix_cache_tokens": self.cached_tokens,   # the prefix cache (copied, not computed)
         }
         tree, trees, policy = self.tree, self.trees, self.policy
         if tree is not None:

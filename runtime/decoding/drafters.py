@@ -80,8 +80,16 @@ class RowlessDrafter:
     """A drafter that keeps nothing per row: a prompt, a row's copies or a row moved in the batch need no work, and
     (unless it overrides `observe`) neither does a round's outcome."""
 
+    cached = ()   # the parts of its state the prefix cache keeps (see restore): none
+
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         pass
+
+    def restore(self, run, row: int, prompt: torch.Tensor, length: int, read, chunk: int) -> None:
+        pass
+
+    def cache_parts(self, row: int, m: int) -> dict:
+        return {}
 
     def join(self, run, row: int, copies: int) -> None:
         pass
@@ -107,12 +115,16 @@ class DraftModelDrafter:
         self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
     pool = None   # the cache's rows for the whole batch, made at the first prefill
+    cached = ("draft",)   # its keys and values ride in the prefix cache beside the target's (restore)
 
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
-        """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
+    def _make_pool(self, run) -> None:
         if self.pool is None:
             self.pool = self.engine.new_cache(run.capacity, run.cache_len)
             self.next_round = run.rounds   # the round whose proposal the cache is ready for
+
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
+        self._make_pool(run)
         one, dev = self.pool.row(row), run.device
         if start == 0:
             one.truncate(0)
@@ -122,6 +134,18 @@ class DraftModelDrafter:
                              chain_mask(1, S, dev), 1)
             one.write(out.new_kv)
             one.past_len += S
+
+    def restore(self, run, row: int, prompt: torch.Tensor, length: int, read, chunk: int) -> None:
+        """A prompt's first `length` positions from the prefix cache (`read(part, into, axis)`: PrefixCache.read of
+        the request's hit): its keys and values are copied into the row, nothing is run."""
+        self._make_pool(run)
+        read("draft", self.pool.data[:, row], 2)                              # (2L, Hkv, Smax, D)
+        self.pool.row(row).truncate(length)
+
+    def cache_parts(self, row: int, m: int) -> dict:
+        """What the prefix cache keeps of a row after its prompt's prefill: its keys and values over the prompt but
+        its last token (PrefixCache.store's (tensor, position axis, positions held))."""
+        return {"draft": (self.pool.data[:, row], 2, m - 1)}                  # (2L, Hkv, Smax, D)
 
     def join(self, run, row: int, copies: int) -> None:
         """The prefilled row to the request's other rows."""

@@ -20,6 +20,7 @@ from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_input
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
 from specrt.decoding.grammar import Grammar
+from specrt.decoding.prefix_cache import PrefixCache
 from specrt.decoding.processors import Penalties
 from specrt.decoding.sampling import probs, token_logprobs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
@@ -35,13 +36,16 @@ class Generator:
     """Engines of one engine directory, ready to generate. `Generator.from_engines(path)` then `generate()`."""
 
     def __init__(self, directory: Path, manifest: dict, target, draft, tokenizer, medusa=None, eagle=None,
-                 loaders: dict[str, Callable] | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 loaders: dict[str, Callable] | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache_mb: float = 0):
         """`draft`, `medusa`, `eagle`: the drafters' engines (None: the set has none), or in `loaders` functions
         that load them, called when a request first needs one: a process that decodes with one method holds
         only its engines (the int4 set's drafters take 350 MB resident, more than its target).
         `prefill_chunk`: prompt tokens per prefill pass. A prompt runs through the target (and the drafter) in
         passes of at most this many tokens over the cache, so that a pass's activations, its attention scores
-        (chunk × context) and its mask (chunk × chunk) are bounded by the chunk, not by the prompt."""
+        (chunk × context) and its mask (chunk × chunk) are bounded by the chunk, not by the prompt.
+        `prefix_cache_mb`: keep the state of prompts' prefixes for later prompts that start the same way (a chat's
+        next turn, a shared system prompt), up to this many MiB (0: none, the default); see `prefix_cache`."""
         if prefill_chunk < 1:
             raise InputError(f"prefill chunk {prefill_chunk}: must be at least 1 token (default {PREFILL_CHUNK})")
         self.prefill_chunk = prefill_chunk
@@ -63,6 +67,9 @@ class Generator:
         self.datastore: Datastore | None = None              # --method rest's corpus (use_datastore)
         self.suffix_cache = None                             # a SuffixCache: finished outputs go in, rest drafts
         self.rest_shape = RestShape()                        # --method rest's trees at most
+        # the blocks of earlier prompts' state that every request of this generator starts from (prefix_cache.py);
+        # set it to a PrefixCache of another size, or None, at any time between batches
+        self.prefix_cache: PrefixCache | None = PrefixCache.of_mb(prefix_cache_mb)
 
     def has(self, role: str) -> bool:
         """Whether the engine set has the drafter `role` ("draft", "medusa" or "eagle"), loaded or not."""
@@ -80,9 +87,10 @@ class Generator:
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
                      warm: bool = True, prefill_chunk: int = PREFILL_CHUNK,
-                     datastore: str | os.PathLike | None = None) -> "Generator":
+                     datastore: str | os.PathLike | None = None, prefix_cache_mb: float = 0) -> "Generator":
         """`warm`: start from the engine set's tuning for this machine, if any (see start_warm). `datastore`: a
-        directory of `specrt datastore build` for --method rest (see use_datastore)."""
+        directory of `specrt datastore build` for --method rest (see use_datastore). `prefix_cache_mb`: see
+        Generator (0: no prefix cache)."""
         directory = Path(path)
         manifest = read_manifest(directory)
         models = manifest["models"]
@@ -110,7 +118,8 @@ class Generator:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         target = engines.pop("target")()
-        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk)
+        gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk,
+                  prefix_cache_mb=prefix_cache_mb)
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)

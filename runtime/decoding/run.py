@@ -52,6 +52,7 @@ class _Joining:
     logprobs: int | None = None     # report each new token's log-probability and this many alternatives
     penalties: Penalties | None = None   # its context-dependent logits processors
     grammar: Grammar | None = None       # its output's grammar (structured output)
+    cached: int | None = None            # prompt positions from the prefix cache (None: not looked up yet)
 
     @property
     def copies(self) -> int:
@@ -64,6 +65,7 @@ class _Row:
     owner: object                   # the caller's handle (generate(): the sequence's index)
     prompt_len: int
     max_new: int
+    cached: int = 0                 # prompt positions that came from the prefix cache
     stop_reason: str | None = None  # set when it finishes: eos, max_new_tokens, max_seq_len, cancelled
     sent: int = 0                   # new tokens already handed out (Batch.new_tokens)
     rounds: int = 0                 # rounds it took part in, and its drafts in them
