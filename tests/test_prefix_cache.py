@@ -1,0 +1,319 @@
+"""The prefix cache: a prompt that starts like an earlier one copies that prefix's state instead of computing it,
+and nothing else changes. Greedy output with the cache on is the output with it off for every method (a near tie
+at most, reported with its logit gap: a cached prefix changes where the chunks of a prefill fall), on multi-turn
+conversations and on requests sharing a prefix in one batch; the drafters' state after a hit is the state after a
+full prefill; the sampled distribution is the target's; the bound holds after 1,000 requests; the counters say what
+was served."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model
+from greedy_check import assert_same_or_tie
+from test_speculative import P_MIN, chi_square_p, exact_joint, pair, sample_first3  # noqa: F401 (pair: a fixture)
+from specrt.decoding.generate import Generator
+from specrt.decoding.prefix_cache import BLOCK, PrefixCache
+from specrt.decoding.sampling import SamplingParams
+from specrt.errors import InputError
+
+V = 64
+B = 8          # the tests' block: several blocks in a short prompt
+MAX_LEN = 128
+TOL = 1e-4
+METHODS = ["autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def options(method: str) -> dict:
+    """Fixed speculation, so that rounds and acceptance follow the drafts alone."""
+    return dict(method=method, adaptive=False, gamma=3 if method in ("draft", "ngram") else None)
+
+
+# ---- the cache alone ------------------------------------------------------------------------------------------
+def rows(n: int = 64, width: int = 3):
+    """A row's tensor per part, its positions on axis 1 (a target) and axis 0 (a drafter's states)."""
+    torch.manual_seed(0)
+    return torch.randn(2, n, width), torch.randn(n, width)
+
+
+def store(cache, ids, target, feats=None, held=None):
+    parts = {"target": (target, 1, len(ids))}
+    if feats is not None:
+        parts["hidden"] = (feats, 0, held if held is not None else len(ids))
+    cache.store(ids, parts)
+
+
+def check_structure(cache: PrefixCache) -> None:
+    """Every entry's parent is cached, the children counts and bytes add up, no block was ever orphaned."""
+    entries = cache._entries
+    children = dict.fromkeys(entries, 0)
+    for entry in entries.values():
+        assert entry.parent is None or entry.parent in entries, "an entry whose parent was evicted"
+        if entry.parent is not None:
+            children[entry.parent] += 1
+    assert all(entries[k].children == c for k, c in children.items())
+    assert cache.bytes == sum(e.nbytes for e in entries.values()) <= cache.max_bytes
+
+
+def test_keys_are_a_chain_of_the_tokens_up_to_each_block():
+    cache = PrefixCache(1 << 20, block=4)
+    a = list(range(12))
+    assert cache.keys(a, 3) == cache.keys(a + [7, 7], 3)                 # later tokens do not matter
+    b = a[:5] + [99] + a[6:]
+    assert cache.keys(b, 3)[0] == cache.keys(a, 3)[0]
+    assert not set(cache.keys(b, 3)[1:]) & set(cache.keys(a, 3))         # a block and every block after it
+    assert cache.keys(a[4:8], 1) != cache.keys(a, 2)[1:]                 # a block's key depends on what precedes it
+
+
+def test_longest_whole_block_prefix_but_the_last_token():
+    cache = PrefixCache(1 << 20, block=B)
+    target, feats = rows()
+    prompt = ids_of(40, 1)
+    store(cache, prompt, target)
+    assert cache.match(prompt, ("target",)).tokens == 32                 # 5 blocks cached; the last token stays out
+    assert cache.match(prompt + [3], ("target",)).tokens == 40
+    assert cache.match(prompt[:20] + [(prompt[20] + 1) % V] + prompt[21:], ("target",)).tokens == 16
+    assert cache.match(prompt[:8], ("target",)).tokens == 0              # a prompt of one block keeps it to prefill
+    assert cache.match(prompt + [3], ("target", "hidden")).tokens == 0   # a part nobody stored
+    hit = cache.match(prompt + [3], ("target",))
+    into = torch.zeros(2, 64, 3)
+    cache.read(hit, "target", into, axis=1)
+    assert torch.equal(into[:, :40], target[:, :40]) and not into[:, 40:].any()
+    assert cache.stats() == dict(queries=6, hits=4, query_tokens=40 + 41 + 40 + 8 + 41 + 41, hit_tokens=32 + 40 + 16 + 40,
+                                 bytes=5 * 2 * B * 3 * 4, max_bytes=1 << 20, blocks=5, block_tokens=B, evictions=0)
+
+
+def test_a_hit_needs_every_part():
+    cache = PrefixCache(1 << 20, block=B)
+    target, feats = rows()
+    prompt = ids_of(40, 2)
+    store(cache, prompt, target, feats, held=20)                          # features of 2 blocks only
+    assert cache.match(prompt + [1], ("target", "hidden")).tokens == 16
+    assert torch.equal(cache.read(cache.match(prompt + [1], ("hidden",)), "hidden"), feats[:16])
+
+
+def test_least_recently_used_leaves_go_first_and_a_prompt_keeps_its_own_prefix():
+    block_bytes = 2 * B * 3 * 4
+    cache = PrefixCache(6 * block_bytes, block=B)
+    target, _ = rows()
+    system = ids_of(16, 3)
+    a, b = system + ids_of(16, 4), system + ids_of(16, 5)
+    store(cache, a, target)                                              # 4 blocks
+    store(cache, b, target)                                              # 2 shared + 2 new: 6, full
+    cache.match(a + [0], ("target",))                                    # a is used again: b's leaves are older
+    store(cache, system + ids_of(8, 6), target)                          # 1 new block: b's last goes
+    check_structure(cache)
+    assert cache.match(a + [0], ("target",)).tokens == 32
+    assert cache.match(b + [0], ("target",)).tokens == 24
+    assert cache.evictions == 1
+    long = ids_of(64, 7)                                                 # 8 blocks > the bound: its first 6 stay
+    store(cache, long, target.repeat(1, 2, 1)[:, :64])
+    check_structure(cache)
+    assert cache.match(long, ("target",)).tokens == 48
+    assert cache.match(a + [0], ("target",)).tokens == 0
+
+
+def test_sizes():
+    assert PrefixCache.of_mb(0) is None
+    cache = PrefixCache.of_mb(1.5)
+    assert cache.max_bytes == 3 << 19 and cache.block == BLOCK
+    with pytest.raises(InputError, match="prefix cache of -1 MB"):
+        PrefixCache.of_mb(-1)
+    with pytest.raises(InputError, match="blocks of 0 tokens"):
+        PrefixCache(100, block=0)
+
+
+# ---- every method, on a tiny engine set ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A tiny peaked llama target with a draft model, sequential Medusa heads and an EAGLE drafter."""
+    from specrt.export.build import build
+    from specrt.export.eagle import new_eagle, save_eagle
+    from specrt.export.medusa import MedusaHeads, save_heads
+    from specrt.export.model import from_hf
+    from specrt.export.pipeline import export_engines
+    tmp = tmp_path_factory.mktemp("prefix")
+    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    model.save_pretrained(tmp / "src")
+    tiny_model("llama", seed=11, vocab=V, init=0.3).save_pretrained(tmp / "draft")
+    save_eagle(new_eagle(from_hf(model, MAX_LEN), seed=3, num_layers=1), tmp / "eagle", dtype=torch.float32)
+    torch.manual_seed(5)
+    save_heads(MedusaHeads(3, model.config.hidden_size, model.lm_head.weight, model.model.embed_tokens.weight,
+                           sequential=True), tmp / "heads")
+    export_engines(str(tmp / "src"), tmp / "engines", draft=str(tmp / "draft"), eagle=str(tmp / "eagle"),
+                   medusa=str(tmp / "heads"), max_seq_len=MAX_LEN, log=lambda *_: None)
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    gen = Generator.from_engines(tmp / "engines", prefix_cache_mb=1)
+    assert gen.prefix_cache.max_bytes == 1 << 20
+    gen.prefill_chunk = 8
+    return gen, model
+
+
+def conversation(gen, method: str, cache: PrefixCache | None, turns: int = 4, reference=None):
+    """A chat of `turns` turns: each prompt is the last one, its answer and new user text. Later prompts extend
+    the reference's answers (where given), so that both runs see the same prompts. -> [(prompt, answer, stats)]"""
+    gen.prefix_cache = cache
+    prompt, out = ids_of(21, 0), []
+    for t in range(turns):
+        got = gen.generate(prompt_ids=prompt, max_new_tokens=10, **options(method))
+        out.append((prompt, got.token_ids[0], got.stats))
+        answer = reference[t][1] if reference is not None else got.token_ids[0]
+        prompt = prompt + answer + ids_of(5 + 3 * t, 10 + t)
+    return out
+
+
+def hit_tokens(prompts: list[list[int]], method: str) -> list[int]:
+    """What each turn finds: the last prompt's whole blocks the method's parts have (the draft model's state
+    holds every position but the prompt's last), but the new prompt's last token."""
+    held = 1 if method == "draft" else 0
+    return [0] + [(min(len(a) - held, len(b) - 1)) // B * B for a, b in zip(prompts, prompts[1:])]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_multi_turn_output_is_the_output_without_the_cache(engines, method):
+    gen, model = engines
+    try:
+        off = conversation(gen, method, None)
+        cache = PrefixCache(1 << 20, block=B)
+        on = conversation(gen, method, cache, reference=off)
+    finally:
+        gen.prefix_cache = None
+    for (prompt, ours, stats), (_, ref, ref_stats) in zip(on, off):
+        assert_same_or_tie(ours, ref, prompt, model)
+        if ours == ref:   # the drafters' state after a hit is theirs after a full prefill: the same rounds
+            assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
+    expected = hit_tokens([p for p, _, _ in on], method)
+    assert [s["prefix_cache_tokens"] for _, _, s in on] == expected and all(expected[1:])
+    assert [s["prompt_tokens"] for _, _, s in on] == [len(p) for p, _, _ in on]
+    assert [s["prefix_cache_tokens"] for _, _, s in off] == [0] * 4
+    stats = cache.stats()
+    assert (stats["queries"], stats["hits"], stats["hit_tokens"]) == (4, 3, sum(expected))
+    assert stats["query_tokens"] == sum(len(p) for p, _, _ in on)
+    check_structure(cache)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, method):
+    gen, _ = engines
+    first, prompt = ids_of(30, 1), ids_of(30, 1) + ids_of(9, 2)
+    batches = []
+    for cache in (None, PrefixCache(1 << 20, block=B)):
+        gen.prefix_cache = cache
+        try:
+            if cache is not None:
+                gen.generate(prompt_ids=first, max_new_tokens=1, **options(method))
+            batch = gen.batch(1, len(prompt) + 8, **options(method))
+            batch.add(prompt, 8)
+        finally:
+            gen.prefix_cache = None
+        batches.append(batch)
+    assert [b.cached_tokens for b in batches] == [0, 24]
+    m = len(prompt)
+    for part in ("pool", "target"):
+        a, b = ((bt.drafter.pool if part == "pool" else bt.run.pool).data[:, 0, :, :m - 1] for bt in batches)
+        assert (a - b).abs().max() < TOL, part
+    if method == "eagle":
+        a, b = (bt.drafter._history[0, :m] for bt in batches)
+        assert (a - b).abs().max() < TOL
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_requests_sharing_a_prefix_in_one_batch(engines, method):
+    gen, model = engines
+    system = ids_of(27, 3)
+    prompts = [system + ids_of(5 + i, 20 + i) for i in range(3)]
+    try:
+        off = gen.generate(prompt_ids=prompts, max_new_tokens=12, **options(method))
+        gen._last_pool = None   # a new cache, not the rows the run without a hit left (the same prefixes)
+        gen.prefix_cache = cache = PrefixCache(1 << 20, block=B)
+        on = gen.generate(prompt_ids=prompts, max_new_tokens=12, **options(method))
+    finally:
+        gen.prefix_cache = None
+    for prompt, ours, ref in zip(prompts, on.token_ids, off.token_ids):
+        assert_same_or_tie(ours, ref, prompt, model)
+    assert on.stats["prefix_cache_tokens"] == 2 * 24 and cache.stats()["hits"] == 2
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_hit_joins_a_running_batch(engines, method):
+    """Requests join a running batch between rounds, chunk by chunk, one after the other with hits (its restored
+    row and drafter state moved down when rows below it finish); each output is its lone run's without a cache."""
+    gen, model = engines
+    system = ids_of(35, 4)
+    requests = {"a": (system + ids_of(4, 30), 3), "b": (ids_of(6, 31), 30), "c": (system + ids_of(9, 32), 12),
+                "d": (system + ids_of(12, 33), 12)}
+    lone = {k: gen.generate(prompt_ids=p, max_new_tokens=n, **options(method)).token_ids[0]
+            for k, (p, n) in requests.items()}
+    gen.prefix_cache = cache = PrefixCache(1 << 20, block=B)
+    try:
+        batch = gen.batch(3, **options(method))
+        for k in "ab":
+            batch.add(*requests[k], owner=k)
+        outputs, waiting = {}, ["c", "d"]
+        while batch.run.batch or batch.joining or waiting:
+            if waiting and batch.taken < 3:   # c at once, d once a finishes
+                k = waiting.pop(0)
+                batch.join(*requests[k], owner=k)
+            if batch.prefill() is None:
+                batch.step()
+            for row, tokens in batch.retire():
+                outputs[row.owner] = (tokens, batch.row_stats(row, len(tokens))["prefix_cache_tokens"])
+    finally:
+        gen.prefix_cache = None
+    for k, (p, _) in requests.items():
+        assert_same_or_tie(outputs[k][0], lone[k], p, model)
+    assert {k: outputs[k][1] for k in requests} == {"a": 0, "b": 0, "c": 32, "d": 32}
+    assert cache.stats()["hits"] == 2
+
+
+def test_the_bound_holds_after_1000_requests(engines):
+    """1,000 requests whose prompts branch off a few shared prefixes at random points: the blocks never take more
+    than the bound, every cached block can be reached, and hits keep coming (the used prefixes stay)."""
+    gen, _ = engines
+    block_bytes = gen.target.spec["layers"] * 2 * gen.target.spec["kv_heads"] * B * gen.target.spec["head_dim"] * 4
+    gen.prefix_cache = cache = PrefixCache(40 * block_bytes + block_bytes // 2, block=B)
+    rng = np.random.default_rng(0)
+    roots = [ids_of(40, 100 + r) for r in range(4)]
+    try:
+        for _ in range(50):
+            prompts = []
+            for _ in range(20):
+                root = roots[rng.integers(4)]
+                cut = int(rng.integers(0, 41))
+                prompts.append(root[:cut] + rng.integers(0, V, int(rng.integers(1, 20))).tolist())
+            gen.generate(prompt_ids=prompts, max_new_tokens=1, method="autoregressive")
+            check_structure(cache)
+    finally:
+        gen.prefix_cache = None
+    stats = cache.stats()
+    assert stats["queries"] == 1000 and stats["blocks"] == 40 and stats["evictions"] > 500
+    assert stats["bytes"] <= stats["max_bytes"] and stats["hits"] > 500
+
+
+def test_sampled_output_has_the_targets_distribution(pair):
+    """Chi-square over the first three tokens of 20,000 sampled sequences of the draft method whose prompt's first
+    block came from the cache (test_speculative's test, the cache on)."""
+    gen, model = pair
+    prompt = [5, 1, 7]
+    gen.prefix_cache = PrefixCache(1 << 20, block=2)
+    try:
+        gen.generate(prompt_ids=prompt, max_new_tokens=1, method="draft")
+        out = sample_first3(gen, prompt, "draft", 2, seed=123, temperature=1.0)
+    finally:
+        gen.prefix_cache = None
+    assert out.stats["prefix_cache_tokens"] == 2
+    assert out.stats["acceptance_rate"] < 0.9   # rejections (and so the residual) really happened
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"draft, prefix cache on: chi-square p = {p:.4f}")
+    assert p > P_MIN
+
+
+def test_generator_refuses_a_negative_size(engines):
+    gen, _ = engines
+    with pytest.raises(InputError, match="prefix cache of -2 MB"):
+        Generator.from_engines(gen.directory, prefix_cache_mb=-2)
