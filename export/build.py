@@ -168,6 +168,9 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
         for role, spec in manifest["models"].items():
             spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, fuse)
             log(f"built {role} ({spec['engine']['weights']} weights): {directory / spec['engine']['file']}")
+            for kind, e in spec["engine"].get("quantized", {}).get("requantized", {}).items():
+                log(f"  {e['tensors']} {kind} weights of the GGUF file requantized to {target_weights} (no exact "
+                    f"mapping): relative RMS error {e['relative_rms_error']:.2%}, largest {e['max_abs_error']:.3g}")
     manifest["backend"] = backend
     manifest.setdefault("tool_versions", {}).update(_versions(backend))
     write_manifest(directory, manifest)

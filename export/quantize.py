@@ -9,9 +9,12 @@ where its blocks map exactly:
   Q8_0  w = d*q              -> 8 bits, q + 128 with the default zero point 128 (an embedding Gather of
                                 it: GatherBlockQuantized over the same blocks, shared with a tied LM head)
   Q4_1  w = d*q + m          -> 4 bits, zero point 0, plus the block sums of the input times m (float32)
+  Q4_K  w = d*s_j*q - dmin*m_j in each block j of 32 of a 256-block: Q4_1's form, with the block's scale d*s_j
+                                and offset -dmin*m_j (both exact in float32: an f16 times a 6-bit integer)
 MatMulNBits takes float zero points too, which would map Q4_1 as zp = -m/d, but ONNX Runtime's CPU kernel then
 dequantizes the whole weight on every call (10x slower than float32 here); the block-sum term is exact and is how
-llama.cpp computes Q4_1 itself. Anything else gets the standard block quantizer (MatMulNBitsQuantizer).
+llama.cpp computes Q4_1 itself. Anything else (Q5_0, Q5_K, Q6_K, F16, ...) gets the standard block quantizer
+(MatMulNBitsQuantizer), and the manifest records its error against the file's own dequantized weights, per type.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from onnx import helper, numpy_helper
 
 from specrt.errors import BackendError
 from specrt.engines.manifest import sha256_file
+from specrt.export.architectures import REGISTRY
+from specrt.export.gguf_files import read_header
 from specrt.export.onnx_files import array
 
 BLOCK = 32
@@ -47,12 +52,16 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
     bits = 4 if weights == "int4" else 8
     gguf = "gguf" in spec and bits == 4
     model = onnx_files.load(graph, weights=gguf)   # else its structure: each weight is read when it is quantized
-    counts, added = Counter(), set()
+    counts, added, tensors = Counter(), set(), None
+    if "gguf" in spec:
+        tensors = gguf_tensors(_gguf_file(spec["gguf"]), spec)
     if gguf:
-        counts, added = gguf_blocks(model, _gguf_file(spec["gguf"]), spec)
+        counts, added = gguf_blocks(model, tensors, spec)
     inits = {t.name: t for t in model.graph.initializer}
     standard = [n.name for n in model.graph.node
                 if n.op_type == "MatMul" and n.name not in added and n.input[1] in inits]
+    origin = {n.output[0]: (n.input[1], tensors.kind(_module(n.name)) if tensors else None)   # y -> (w, GGUF type)
+              for n in model.graph.node if n.name in standard}
     if standard:   # MatMuls only: its int4 Gather needs opset 21, these graphs are opset 17
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=False,
                                  accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added),
@@ -67,8 +76,53 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
             quiet.setLevel(level)
         model = q.model.model
         counts[f"standard {weights}"] += len(standard)
+    result = dict(counts)
+    if tensors is not None and standard:   # a GGUF source: how far the requantized weights are from the file's
+        result["requantized"] = requantization_error(model, origin, inits, graph.parent)
     onnx_files.save(model, out, graph.parent)   # the weights not quantized are copied from graph's data file
-    return dict(counts)
+    return result
+
+
+def requantization_error(model: onnx.ModelProto, origin: dict, inits: dict, base: Path) -> dict:
+    """Per GGUF type, the error of the MatMulNBits weights that the standard quantizer made against the float32
+    weights they replace (transformers' dequantization of the file): {type: {tensors, relative_rms_error (the
+    error's norm over the weights' norm), max_abs_error}}. `origin`: each replaced MatMul's output -> (its weight's
+    initializer, its GGUF type)."""
+    blocks = {i.name: i for i in model.graph.initializer}
+    sums: dict[str, list] = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or node.output[0] not in origin:
+            continue
+        name, kind = origin[node.output[0]]
+        attrs = {a.name: a.i for a in node.attribute}
+        zp = numpy_helper.to_array(blocks[node.input[3]]) if len(node.input) > 3 else None
+        w = nbits_weight(numpy_helper.to_array(blocks[node.input[1]]), numpy_helper.to_array(blocks[node.input[2]]),
+                         zp, attrs["bits"], attrs["N"], attrs["K"], attrs["block_size"])
+        ref = array(inits[name], base).T                                        # (N, K)
+        err = (w - ref).astype(np.float64)
+        s = sums.setdefault(kind or "float", [0, 0.0, 0.0, 0.0])
+        s[0] += 1
+        s[1] += float((err ** 2).sum())
+        s[2] += float((ref.astype(np.float64) ** 2).sum())
+        s[3] = max(s[3], float(np.abs(err).max()))
+    return {kind: {"tensors": n, "relative_rms_error": round((sse / ssw) ** 0.5 if ssw else 0.0, 6),
+                   "max_abs_error": round(worst, 6)} for kind, (n, sse, ssw, worst) in sorted(sums.items())}
+
+
+def nbits_weight(b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, bits: int, N: int, K: int,
+                 block: int) -> np.ndarray:
+    """The weight (N, K) that a MatMulNBits computes with: scale * (q - zero point) per block along K."""
+    nb = -(-K // block)
+    b = b.reshape(N, nb, -1)
+    q = b if bits == 8 else np.stack([b & 0x0F, b >> 4], axis=-1).reshape(N, nb, block)   # (N, nb, block)
+    if zp is None:
+        z = np.full((N, nb), 1 << (bits - 1), np.float32)
+    elif bits == 8:
+        z = zp.reshape(N, nb).astype(np.float32)
+    else:
+        z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(N, -1)[:, :nb].astype(np.float32)
+    w = scales.reshape(N, nb, 1).astype(np.float32) * (q.astype(np.float32) - z[..., None])
+    return w.reshape(N, nb * block)[:, :K]
 
 
 def _one_weight_at_a_time(quantize, inits: dict, base: Path):
@@ -107,32 +161,30 @@ def _weight(model, node) -> np.ndarray | None:
     return None
 
 
-def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter, set[str]]:
-    """Rewrite, in place, the MatMuls and the embedding Gather of `model` whose GGUF tensor is Q4_0, Q4_1 or
-    Q8_0 to carry the file's blocks; each is checked against the graph's float32 weight (what transformers'
+def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> tuple[Counter, set[str]]:
+    """Rewrite, in place, the MatMuls and the embedding Gather of `model` whose GGUF tensor is Q4_0, Q4_1, Q4_K
+    or Q8_0 to carry the file's blocks; each is checked against the graph's float32 weight (what transformers'
     GGUF loader dequantized) first. A tied embedding and LM head share one copy of the blocks. Returns the
-    count per GGUF type and the names of the MatMuls added (the Q4_1 offsets, float32)."""
+    count per GGUF type and the names of the MatMuls added (the Q4_1/Q4_K offsets, float32)."""
     graph = model.graph
-    tensors = gguf_tensors(path, spec)
+    path = tensors.header.path
     axes = numpy_helper.from_array(np.array([-1], np.int64), "gguf_axes")
     new_nodes, new_inits, counts, added, done, block_sums = [], [axes], Counter(), set(), set(), {}
     for node in graph.node:
-        t = tensors.get(_module(node.name)) if node.op_type in ("MatMul", "Gather") else None
+        t, part = tensors.find(_module(node.name)) if node.op_type in ("MatMul", "Gather") else (None, None)
         w = _weight(model, node) if t is not None else None
         if w is None or t.tensor_type.name not in KINDS or (node.op_type == "Gather" and t.tensor_type.name != "Q8_0"):
             new_nodes.append(node)
             continue
-        kind, p = t.tensor_type.name, t.name
-        b, scales, zp, m = KINDS[kind](tensors.rows(t))   # (N, n_blocks, bytes), (N, n_blocks) x2, offsets
+        kind = t.tensor_type.name
+        p = t.name if part is None else f"{t.name}.rows{part.start}"      # a fused tensor's part: its own blocks
+        b, scales, zp, m = KINDS[kind](tensors.rows(t, part))  # (N, n_blocks, bytes), (N, n_blocks) x2, offsets
         N, n_blocks = scales.shape
         expected = w if node.op_type == "Gather" else w.T                  # (N, K)
         if expected.shape != (N, n_blocks * BLOCK):
             raise BackendError(f"{path}: {p} is [{N}, {n_blocks * BLOCK}], the graph's {node.name} weight is "
                                f"{list(expected.shape)}: re-export the target")
-        w_gguf = scales[..., None] * (b_values(b, kind) - zp_values(zp, kind, n_blocks)[..., None])
-        if m is not None:
-            w_gguf = w_gguf + m[..., None]                                  # (N, n_blocks, 32)
-        if not np.allclose(w_gguf.reshape(expected.shape), expected, rtol=1e-6, atol=1e-7):
+        if not _blocks_equal(b, scales, zp, m, kind, expected):
             raise BackendError(f"{path}: {p} does not match the graph's {node.name} weight: the engine directory "
                                "was exported from another file; re-run `specrt export`")
         if p not in done:
@@ -172,6 +224,20 @@ def gguf_blocks(model: onnx.ModelProto, path: Path, spec: dict) -> tuple[Counter
     return counts, added
 
 
+def _blocks_equal(b, scales, zp, m, kind: str, expected: np.ndarray, rows: int = 4096) -> bool:
+    """Whether the blocks give the float32 weight `expected` (N, K), checked `rows` rows at a time (an embedding
+    table of 262,144 rows would otherwise take several copies of its float32 size)."""
+    z = zp_values(zp, kind, scales.shape[1])                 # (N, n_blocks), or (1, n_blocks): Q8_0's 128
+    for r in range(0, expected.shape[0], rows):
+        zr = z if len(z) == 1 else z[r:r + rows]
+        w = scales[r:r + rows, :, None] * (b_values(b[r:r + rows], kind) - zr[..., None])   # (rows, n_blocks, 32)
+        if m is not None:
+            w = w + m[r:r + rows, :, None]
+        if not np.allclose(w.reshape(-1, expected.shape[1]), expected[r:r + rows], rtol=1e-6, atol=1e-7):
+            return False
+    return True
+
+
 def _ranks(*values) -> dict[str, int]:
     """Tensor name -> rank, for the value infos (graph inputs, inferred shapes) whose shape is known."""
     return {v.name: len(v.type.tensor_type.shape.dim) for vs in values for v in vs
@@ -207,19 +273,27 @@ def _module(node_name: str) -> str:
 
 
 class gguf_tensors:
-    """A GGUF file's tensors by transformers module name, rows in transformers' order (transformers' own
-    permutation of q/k for rotary), the tied output falling back to the token embedding."""
+    """A GGUF file's tensors by transformers module name, rows in transformers' order (its loader's permutation of
+    q/k for rotary, where it applies one: llama files), the tied output falling back to the token embedding; a
+    projection that the file keeps fused (Phi-3's attn_qkv [q; k; v] and ffn_up [gate; up]) as its rows of it."""
+
+    FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
 
     def __init__(self, path: Path, spec: dict):
         import gguf
-        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-        if spec.get("architecture") != "llama":
-            raise BackendError(f"GGUF blocks are mapped for llama targets, this one is {spec.get('architecture')}")
-        self.reader = gguf.GGUFReader(str(path))
-        self.by_name = {t.name: t for t in self.reader.tensors}
-        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, spec["layers"])
-        self.processor = LlamaTensorProcessor({"num_attention_heads": spec["heads"],
-                                               "num_key_value_heads": spec["kv_heads"]})
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+        self.header = read_header(path)
+        arch = self.header.architecture
+        ids = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
+        if not ids:
+            raise BackendError(f"{path}: the gguf package does not know architecture {arch!r}")
+        self.by_name = {t.name: _Tensor(t.name, getattr(gguf.GGMLQuantizationType, t.type, None), t, self.header)
+                        for t in self.header.tensors}
+        self.names = gguf.get_tensor_name_map(ids[0], spec["layers"])
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)({"num_attention_heads": spec["heads"],
+                                                                      "num_key_value_heads": spec["kv_heads"]})
+        self.spec = spec
 
     def get(self, module: str):
         key = self.names.get_name(module)
@@ -228,11 +302,57 @@ class gguf_tensors:
             t = self.by_name.get("token_embd.weight")   # tied embeddings
         return t
 
-    def rows(self, t) -> np.ndarray:
+    def find(self, module: str) -> tuple[object | None, slice | None]:
+        """(the tensor of `module`, the rows of it that are the module's where the file fuses it with others)."""
+        head, _, last = module.rpartition(".")
+        if last not in self.FUSED or not REGISTRY[self.spec["architecture"]].fused_projections:
+            return self.get(module), None
+        t = self.get(f"{head}.{self.FUSED[last]}")
+        if t is None:
+            return None, None
+        n, q, kv = t.shape[0], self.spec["heads"] * self.spec["head_dim"], self.spec["kv_heads"] * self.spec["head_dim"]
+        parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, n), "gate_proj": (0, n // 2),
+                 "up_proj": (n // 2, n)}
+        return t, slice(*parts[last])
+
+    def kind(self, module: str) -> str | None:
+        t, _ = self.find(module)
+        return None if t is None else t.info.type
+
+    def rows(self, t, part: slice | None = None) -> np.ndarray:
         import gguf
         block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
         rows = np.asarray(t.data).reshape(t.data.shape[0], -1, size)       # (N, n_blocks, bytes per block)
-        return self.processor.process(rows, t.name).weights                # q/k rows un-permuted
+        rows = self.processor.process(rows, t.name).weights                # q/k rows un-permuted
+        return rows if part is None else rows[part]
+
+
+class _Tensor:
+    """One tensor of a GGUF file as gguf.GGUFReader gives it (name, tensor_type, data: its stored bytes per row),
+    from the header (specrt.export.gguf_files), without reading the vocabulary as the reader does."""
+
+    def __init__(self, name: str, tensor_type, info, header):
+        self.name, self.tensor_type, self.info, self._header = name, tensor_type, info, header
+        self.shape = info.shape
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._header.rows(self.info)
+
+
+def _q4_k(rows):
+    """Q4_K super-blocks (N, n, 144): d, dmin (f16), 12 bytes of eight 6-bit scales and minimums, 128 bytes of
+    nibbles (in each 32 bytes, block 2i in the low nibbles and 2i + 1 in the high ones) -> blocks of 32."""
+    import gguf
+    N, n = rows.shape[:2]
+    d, dmin = _f16(rows[..., 0:2]), _f16(rows[..., 2:4])                   # (N, n)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(rows[..., 4:16]).reshape(-1, 12))
+    scales = (d[..., None] * sc.reshape(N, n, 8).astype(np.float32)).reshape(N, n * 8)
+    offsets = -(dmin[..., None] * mn.reshape(N, n, 8).astype(np.float32)).reshape(N, n * 8)
+    qs = rows[..., 16:].reshape(N, n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(N, n * 8, 32)                                  # (N, n_blocks, 32)
+    b = np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4))           # (N, n_blocks, 16)
+    return b, scales, np.zeros((N, (n * 8 + 1) // 2), np.uint8), offsets
 
 
 def _q4_0(rows):
@@ -250,7 +370,7 @@ def _q8_0(rows):
     return np.ascontiguousarray(qs ^ 0x80), _f16(d), None, None
 
 
-KINDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}   # rows -> (B, scales, zero points, offsets or None)
+KINDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0}   # rows -> (B, scales, zero points, offsets)
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
