@@ -54,8 +54,13 @@ def _stat(path: Path, field: str) -> int:
 
 
 def parameters(source: str) -> int | None:
-    """The parameter count of a checkpoint directory (from its config, no weights read), None for other sources."""
+    """The parameter count of a checkpoint directory (from its config, no weights read) or of a GGUF file (from
+    its header, which is checked: what specrt does not export is refused by name), None for other sources."""
     path = Path(source)
+    if source.lower().endswith(".gguf"):
+        from specrt.export.gguf_files import check_gguf
+        from specrt.export.sources import gguf_path
+        return check_gguf(gguf_path(source), repr(source)).parameters
     if not (path / "config.json").is_file():
         return None
     import torch

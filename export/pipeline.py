@@ -62,11 +62,10 @@ def _check_replaceable(out: Path) -> None:
 
 
 def _check_memory(target: str, draft: str | None, dtype: str, limit: float | None) -> None:
-    """Refuse, before loading anything, an export that will not fit (the larger model's weights in `dtype`)."""
-    if limit == float("inf"):
-        return
+    """Refuse, before loading anything, an export that will not fit (the larger model's weights in `dtype`), or
+    whose source specrt does not export (sizing a source checks it)."""
     sizes = [(n, s) for s in (target, draft) if s is not None and (n := memory.parameters(s))]
-    if not sizes:
+    if not sizes or limit == float("inf"):
         return
     params, source = max(sizes)
     smaller = "" if dtype != "float32" else \
@@ -166,7 +165,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
-                models[role]["gguf"] = {"path": str(src.gguf_file), "sha256": sha256_file(src.gguf_file)}
+                models[role]["gguf"] = {"path": str(src.gguf_file.resolve()),
+                                        "sha256": sha256_file(src.gguf_file)}
             if role == "target" and medusa is not None:
                 heads = load_heads(medusa, model, log)
                 tree = shipped_tree(medusa, heads.num_heads)

