@@ -245,8 +245,11 @@ def test_candidates_are_the_most_frequent_continuations():
 
 
 def test_lookups_that_do_not_pay_back_off():
-    """Rounds whose lookups found nothing (they cost 1 ms, a pass 10 ms): 1, 2, 4, 8, 8 rounds go without them;
-    one round with 5 accepted drafts brings lookups back to every round."""
+    """Rounds whose lookups found nothing (they cost 1 ms, a pass 10 ms): 1, 2, 4, 8, 8 rounds go without them,
+    each a plain step that counts one down; one round with 5 accepted drafts brings lookups back to every round: the
+    next round that finds nothing does not stop them (the average saving stays above 0)."""
+    from types import SimpleNamespace
+
     from specrt.decoding.adaptive import Costs
     drafter = RestDrafter([], RestShape(), costs=lambda rows: Costs(0.0, {1: 0.010, 25: 0.012}))
     idles = []
@@ -254,6 +257,47 @@ def test_lookups_that_do_not_pay_back_off():
         drafter._saved(0.001, 1, 0, 0)
         idles.append(drafter.idle)
     assert idles == [1, 2, 4, 8, 8]
-    drafter.idle = 0
+    assert drafter.saving == pytest.approx(-0.001 * (1 - 0.9 ** 5))   # the average of -1 ms a round
+    plain = object()   # a round without lookups: the run's inputs of a plain step
+    run = SimpleNamespace(batch=1, inputs=lambda batch, width: SimpleNamespace(empty=plain))
+    assert [drafter.propose(run, 6) for _ in range(8)] == [plain] * 8 and drafter.idle == 0
     drafter._saved(0.001, 1, 24, 5)   # 50 ms of tokens for 2 ms more pass and 1 ms of lookups
+    assert drafter.saving == pytest.approx(0.9 * -0.001 * (1 - 0.9 ** 5) + 0.1 * 0.047)
+    assert drafter.idle == 0 and drafter.backoff == 1
+    drafter._saved(0.001, 1, 0, 0)
     assert drafter.saving > 0 and drafter.idle == 0 and drafter.backoff == 1
+
+
+def test_lookups_back_off_on_new_text_and_resume(rest_pair, monkeypatch):
+    """Adaptive rounds with the idle back-off as shipped (RestDrafter.MAX_IDLE): the row's own context the only
+    source (no datastore, no suffix cache). The target's answer is new text for 14 tokens, then repeats itself
+    (10 17 10 17 ...): lookups that find nothing worth a tree are skipped for 1, 2, 4, then 8 rounds (plain steps,
+    one token each), and come back after each; once the text repeats, their trees are accepted, they pay, and they
+    run every round. The output is the target's greedy one throughout. Pass times are fixed (10 ms a pass, as a
+    large target's) so that what a lookup saves does not hang on how fast this machine runs a tiny model."""
+    from specrt.decoding.adaptive import Costs
+    gen, model, _ = rest_pair
+    monkeypatch.setattr(gen, "datastore", None)
+    costs = Costs(0.0, {1: 0.010, 25: 0.012})
+    monkeypatch.setattr(gen, "costs", lambda *_, **__: costs)
+    prompt = [3, 9, 14, 2, 20]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="autoregressive").token_ids[0]
+    assert ref[14:18] == [10, 17, 10, 17] and len(set(ref[:14])) > 8
+    rounds = []   # per round: "L" where it looked up, "." where it went without
+    propose, look_up = RestDrafter.propose, RestDrafter._propose
+
+    def counted(self, run, gamma):
+        rounds.append(".")
+        return propose(self, run, gamma)
+
+    def looked_up(self, run, gamma):
+        rounds[-1] = "L"
+        return look_up(self, run, gamma)
+    monkeypatch.setattr(RestDrafter, "propose", counted)
+    monkeypatch.setattr(RestDrafter, "_propose", looked_up)
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=40, method="rest")
+    assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+    pattern = "".join(rounds)
+    print(f"rounds: {pattern} (L: looked up), acceptance {out.stats['acceptance_rate']}")
+    assert pattern.startswith("L.L..L....L........L"), pattern   # 1, 2, 4, 8 rounds without lookups
+    assert set(pattern[20:]) == {"L"} and out.stats["acceptance_rate"] > 0.5, pattern   # back every round
