@@ -128,16 +128,19 @@ def write_eagle1(directory, config: dict, weights: dict, pickled: bool = False):
     return directory
 
 
-def medusa_weights(d: int, heads: int, layers: int, vocab: int | None, seed: int) -> dict:
-    """`{h}.{l}.linear.weight/bias` and, unless `vocab` is None (the legacy heads), `{h}.{layers}.weight`."""
+def medusa_weights(d: int, heads: int, layers: int, vocab: int | None, seed: int, lm_head=None,
+                   scale: float = 0.3) -> dict:
+    """`{h}.{l}.linear.weight/bias` (random, `scale`) and, unless `vocab` is None (the legacy heads),
+    `{h}.{layers}.weight`: random, or `lm_head` (the target's) plus noise, as Medusa's training starts them."""
     g = torch.Generator().manual_seed(seed)
     w = {}
     for h in range(heads):
         for layer in range(layers):
-            w[f"{h}.{layer}.linear.weight"] = torch.randn(d, d, generator=g) * 0.3
-            w[f"{h}.{layer}.linear.bias"] = torch.randn(d, generator=g) * 0.3
+            w[f"{h}.{layer}.linear.weight"] = torch.randn(d, d, generator=g) * scale
+            w[f"{h}.{layer}.linear.bias"] = torch.randn(d, generator=g) * scale
         if vocab is not None:
-            w[f"{h}.{layers}.weight"] = torch.randn(vocab, d, generator=g) * 0.5
+            noise = torch.randn(vocab, d, generator=g)
+            w[f"{h}.{layers}.weight"] = noise * 0.5 if lm_head is None else lm_head.detach() + noise * 0.05
     return w
 
 
@@ -342,10 +345,14 @@ MEDUSA_CASES = {   # published heads (own LM heads; config.json says 2 of the 3 
 
 @pytest.fixture(scope="module", params=sorted(MEDUSA_CASES))
 def medusa(request, tmp_path_factory):
+    """Heads near where Medusa's training starts them: small random residual blocks, each own LM head the target's
+    plus noise (so that an engine that read the target's in its place would show). They guess token t + 1 again
+    for token t + 2, which this target's greedy text often repeats: some of their drafts are accepted."""
     case = MEDUSA_CASES[request.param]
     tmp = tmp_path_factory.mktemp("medusa")
     model = tiny_model("llama", seed=1, vocab=V, init=0.3)
-    w = medusa_weights(model.config.hidden_size, case["heads"], case["layers"], V if case["own"] else None, seed=4)
+    w = medusa_weights(model.config.hidden_size, case["heads"], case["layers"], V if case["own"] else None, seed=4,
+                       lm_head=model.lm_head.weight, scale=0.1)
     src = write_medusa(tmp / "heads", w, case["config_heads"], case["layers"], case["pt"])
     logged = []
     return export_built(tmp, model, "engines", log=logged.append, medusa=src), model, w, case, logged
@@ -357,7 +364,11 @@ def test_medusa_engine_matches_the_published_architecture(medusa):
     assert entry["layout"] == "medusa" and entry["num_heads"] == gen.medusa.num_heads == case["heads"]
     assert any("medusa_num_heads 2" in line and f"hold {case['heads']} heads" in line for line in logged) == \
         (case["heads"] != case["config_heads"])
-    assert 0 <= entry["acceptance"]["first_draft_token"] <= 1 and entry["acceptance"]["positions"] > 0
+    rate, positions = first_draft_acceptance(model, w)
+    measured = entry["acceptance"]
+    assert rate > 0 and {k: measured[k] for k in ("first_draft_token", "positions", "prompts")} == {
+        "first_draft_token": round(rate, 4), "positions": positions, "prompts": 4}
+    assert ("warning" in measured) == (rate < 0.1)   # a rate this low is worth a warning
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     got = gen.medusa.forward(hidden, torch.zeros(5, case["heads"], dtype=torch.int64))
     with torch.no_grad():
@@ -366,13 +377,35 @@ def test_medusa_engine_matches_the_published_architecture(medusa):
     assert (got - want).abs().max() < 1e-4
 
 
+def first_draft_acceptance(model, w: dict) -> tuple[float, int]:
+    """What `specrt export` measures after import, computed here with transformers and the reference above: the
+    export's prompts (8 seeded random ids each, the target having no tokenizer) continued greedily for 12 tokens; at
+    every generated position t, whether head 0's top guess on the hidden state at t is token t + 2. -> (share,
+    positions)."""
+    g = torch.Generator().manual_seed(0)
+    hits = positions = 0
+    for _ in range(4):
+        ids = torch.randint(0, V, (8,), generator=g).tolist()
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0]              # (20, d)
+            guesses = medusa_reference(w, model.lm_head.weight, hidden)[:, 0].argmax(-1)   # (20,)
+        t = torch.arange(7, len(ids) - 2)
+        hits += int((guesses[t] == torch.tensor(ids)[t + 2]).sum())
+        positions += len(t)
+    return hits / positions, positions
+
+
 def test_medusa_greedy_equals_autoregressive(medusa):
+    """With drafts accepted (the heads guess the target's repeats) and rejected."""
     gen, model, _, _, _ = medusa
     for seed in range(2):
         prompt = torch.randint(0, V, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive").token_ids[0]
         out = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="medusa")
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+        assert 0 < out.stats["acceptance_rate"] < 1, out.stats
 
 
 def test_medusa_heads_that_do_not_fit_are_refused(tmp_path):
