@@ -17,6 +17,7 @@ import hypothesis
 import openai
 import pytest
 import schemathesis
+import torch
 
 from conftest import export_tiny_with_heads, load_prompts
 from greedy_check import assert_same_or_tie
@@ -144,6 +145,43 @@ def test_typical_acceptance_is_asked_for_and_labelled(tiny):
     out = api.completions.create(model="tiny", prompt=[5, 6], max_tokens=8, temperature=0.8,
                                  extra_body={"specrt": {"method": "draft"}})
     assert (out.specrt["acceptance"], out.specrt["distribution_preserving"]) == ("exact", True)
+
+
+def test_logprobs_of_n_choices_without_a_tokenizer(tiny):
+    """Legacy completions' logprobs on an engine set without a tokenizer: tokens spelled token_id:N, each of n
+    choices with its own, equal to the generator's for the same seed: the chosen token's log-probability, and the
+    top N with the chosen one (OpenAI: up to N + 1)."""
+    gen, url, *_ = tiny
+    out = client(url).completions.create(model="tiny", prompt=[5, 6], max_tokens=6, n=2, temperature=0.8, seed=4,
+                                         logprobs=2, extra_body={"specrt": {"method": "draft", "gamma": 2}})
+    want = gen.generate(prompt_ids=[5, 6], max_new_tokens=6, num_return_sequences=2, temperature=0.8, seed=4,
+                        method="draft", gamma=2, logprobs=2)
+    for choice, ids, lps in zip(out.choices, want.token_ids, want.logprobs):
+        got = choice.logprobs
+        assert choice.token_ids == ids and got.tokens == [f"token_id:{t}" for t in ids]
+        assert got.token_logprobs == pytest.approx([lp.logprob for lp in lps], abs=1e-6)
+        assert got.top_logprobs == [pytest.approx({f"token_id:{t}": v for t, v in lp.top} |
+                                                  {f"token_id:{lp.token}": lp.logprob}, abs=1e-6) for lp in lps]
+        assert got.text_offset == [0] * 6   # no text
+
+
+def test_stop_token_ids_end_the_sequence_there(tiny):
+    """stop_token_ids (vLLM's extension): the sequence ends at the first of them, which is its last token, though the
+    round that made it accepted drafts beyond it (dropped); finish_reason stop, streamed and not."""
+    gen, url, *_ = tiny
+    api = client(url)
+    body = dict(model="tiny", prompt=[1, 2, 3] * 3, max_tokens=16, temperature=0,
+                extra_body={"specrt": {"method": "medusa", "adaptive": False}})
+    rounds = [[i for c in chunk.choices for i in c.token_ids] for chunk in api.completions.create(**body, stream=True)]
+    ids = [i for r in rounds for i in r]
+    # a token that a round made with more after it, and that the output has not had before
+    stop, at = next((t, len(sum(rounds[:k], [])) + j) for k, r in enumerate(rounds) for j, t in enumerate(r[:-1])
+                    if t not in sum(rounds[:k], []) + r[:j])
+    body["extra_body"]["stop_token_ids"] = [stop, 127]
+    out = api.completions.create(**body)
+    assert (out.choices[0].token_ids, out.choices[0].finish_reason) == (ids[:at + 1], "stop")
+    assert out.specrt["stop_reason"] == "stop_token" and out.specrt["tokens"] == at + 1 == out.usage.completion_tokens
+    assert stream_ids(api.completions.create(**body, stream=True))[:2] == (ids[:at + 1], "stop")
 
 
 def test_concurrent_streams_join_one_batch(tiny):
@@ -894,3 +932,176 @@ def test_eight_concurrent_chats_equal_lone_runs(smol, smollm2):
         assert stats["method"] == "medusa"
     assert len(ties) <= 1, f"too many near ties to be chance: {ties}"
     assert max(int(n) for _, stats in results for n in stats["batch_rounds"]) >= 2
+
+
+# ---- request fields: logprobs, penalties, logit_bias, min_p and top_k, the fields refused or without effect -------
+
+
+def served_methods(api) -> list[str]:
+    return [m for m in api.models.list().data[0].specrt["methods"] if m != "auto"]
+
+
+def tied_prefix(ids: list[int], ref: list[int], prompt: list[int], model) -> int:
+    """How many leading tokens `ids` shares with `ref`, all of them but for a near tie at the first difference."""
+    assert_same_or_tie(ids, ref, prompt, model)
+    return next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref))
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_targets_for_every_method(smol, smollm2):
+    """logprobs with every method, accepted drafts included, equal the target's own within 1e-4. Greedy: the chat's
+    logprobs with top_logprobs (not streamed) and the legacy completions' logprobs (streamed, chunk by chunk) against
+    an autoregressive generate of the same engines in this process. Sampled at T = 0.7 (streamed, 16 tokens): the
+    log-softmax of the target's logits / T over the same tokens (transformers, one teacher-forced pass), and the same
+    seed gives the same tokens and logprobs again (not streamed): `seed` works with every method, its speculation
+    fixed (specrt.adaptive false: adaptive speculation follows the measured pass times, and with them where the
+    random draws fall)."""
+    gen, url = smol
+    api = client(url)
+    prompt = chat_ids(gen, CHATS[0])
+    want = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive", logprobs=3)
+    ref, ref_lps = want.token_ids[0], want.logprobs[0]
+
+    def chat(method, adaptive=True, max_tokens=24, **fields):
+        return api.chat.completions.create(model="default", messages=CHATS[0], max_tokens=max_tokens, logprobs=True,
+                                           extra_body={"specrt": {"method": method, "adaptive": adaptive}}, **fields)
+
+    def streamed_completion(method):   # the chat's prompt as token ids: the same reference
+        ids, lps = [], {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for chunk in api.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0, logprobs=3,
+                                            stream=True, extra_body={"specrt": {"method": method}}):
+            for c in chunk.choices:
+                ids += c.token_ids
+                assert (c.logprobs is None) == (not c.token_ids), chunk   # each chunk the logprobs of its tokens
+                for key in lps if c.logprobs else []:
+                    lps[key] += getattr(c.logprobs, key)
+        return ids, lps
+
+    for method in served_methods(api):
+        with ThreadPoolExecutor(2) as pool:   # one batch
+            streamed = pool.submit(streamed_completion, method)
+            out = chat(method, temperature=0, top_logprobs=3).choices[0]
+            ids, lps = streamed.result()
+        n = min(tied_prefix(out.token_ids, ref, prompt, smollm2.model), tied_prefix(ids, ref, prompt, smollm2.model))
+        content = out.logprobs.content
+        assert len(content) == len(out.token_ids) and len(lps["token_logprobs"]) == len(ids), method
+        assert b"".join(bytes(e.bytes) for e in content).decode().startswith(out.message.content), method
+        for i in range(n):
+            assert content[i].logprob == pytest.approx(ref_lps[i].logprob, abs=1e-4), (method, i)
+            assert [t.logprob for t in content[i].top_logprobs] == \
+                pytest.approx([v for _, v in ref_lps[i].top], abs=1e-4), (method, i)
+            assert lps["token_logprobs"][i] == pytest.approx(ref_lps[i].logprob, abs=1e-4), (method, i)
+            assert sorted(lps["top_logprobs"][i].values(), reverse=True)[:3] == \
+                pytest.approx([v for _, v in ref_lps[i].top], abs=1e-4), (method, i)
+        assert lps["tokens"][:n] == [e.token for e in content[:n]], method
+        assert lps["text_offset"] == sorted(lps["text_offset"]) and lps["text_offset"][0] == 0, method
+
+        sampled = chat(method, False, 16, temperature=0.7, seed=7, stream=True)   # fixed speculation: see above
+        ids, values = [], []
+        for chunk in sampled:
+            for c in chunk.choices:
+                ids += c.token_ids
+                values += [e.logprob for e in (c.logprobs.content if c.logprobs else [])]
+        with torch.no_grad():
+            logits = smollm2.model(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:].double()
+        target = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert values == pytest.approx(target.tolist(), abs=1e-4), method
+        again = chat(method, False, 16, temperature=0.7, seed=7).choices[0]
+        assert again.token_ids == ids and [e.logprob for e in again.logprobs.content] == values, method
+
+
+@pytest.mark.slow
+def test_penalties_and_logit_bias_equal_autoregressive_with_them(smol):
+    """Greedy output with each of presence_penalty, frequency_penalty, repetition_penalty (vLLM's extension) and
+    logit_bias, with every method (the four requests sharing one batch), equals an autoregressive generate with the
+    same field in this process, which differs from the output without it. top_k 1 or min_p 1 (top level, vLLM's
+    way) at temperature 1 sample the most likely token alone: the greedy output."""
+    gen, url = smol
+    api = client(url)
+    prompt = "one two one two one two one two"
+    ids = gen.encode(prompt, chat=False)
+    plain = gen.generate(prompt_ids=ids, max_new_tokens=24, method="autoregressive").token_ids[0]
+    fields = [{"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"repetition_penalty": 1.3},
+              {"logit_bias": {str(plain[0]): -100, str(plain[5]): 3.5}}]
+    wants = []
+    for f in fields:
+        kw = {"logit_bias": {int(t): v for t, v in f["logit_bias"].items()}} if "logit_bias" in f else f
+        wants.append(gen.generate(prompt_ids=ids, max_new_tokens=24, method="autoregressive", **kw).token_ids[0])
+        assert wants[-1] != plain, f"{f} changes nothing here: the test would show nothing"
+
+    def run(method, f, temperature=0):
+        return api.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=temperature,
+                                      extra_body={**f, "specrt": {"method": method}}).choices[0].token_ids
+
+    for method in served_methods(api):
+        with ThreadPoolExecutor(len(fields)) as pool:
+            got = list(pool.map(lambda f: run(method, f), fields))
+        for f, ours, want in zip(fields, got, wants):
+            assert ours == want, (method, f)
+    for f in ({"top_k": 1}, {"min_p": 1.0}):
+        assert run("medusa", f, temperature=1.0) == plain, f
+
+
+NO_EFFECT_CHAT = {"user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto",
+                  "parallel_tool_calls": False, "safety_identifier": "s-1", "prompt_cache_key": "k",
+                  "prompt_cache_retention": "24h", "response_format": {"type": "text"}, "modalities": ["text"]}
+REFUSED_CHAT = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+                "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
+                "web_search_options": {}, "moderation": {"model": "m"}}
+
+
+@pytest.mark.slow
+def test_every_field_is_served_refused_or_without_effect(smol):
+    """Nothing is silently ignored: an unknown field, at the top or nested, is a 400 naming it; OpenAI's fields that
+    specrt does not serve (tools until tool calls land, structured output, audio, ...) are a 400 naming each; the
+    fields accepted with no effect give the same answer as without them; the OpenAPI document lists the served and
+    the no-effect fields, not the refused ones."""
+    gen, url = smol
+    api = client(url)
+    chat = dict(model="default", messages=CHATS[1], max_tokens=4, temperature=0)
+    text = dict(model="default", prompt=PROMPT, max_tokens=4, temperature=0)
+
+    def refused(create, body, extra, param, code):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(**body, extra_body=extra)
+        assert (e.value.param, e.value.code) == (param, code) and param in e.value.message, (extra, e.value.body)
+
+    for create, body in ((api.chat.completions.create, chat), (api.completions.create, text)):
+        refused(create, body, {"frobnicate": 1}, "frobnicate", "unknown_parameter")
+        refused(create, body, {"stream_options": {"frobnicate": 1}}, "stream_options.frobnicate", "unknown_parameter")
+        refused(create, body, {"specrt": {"frobnicate": 1}}, "specrt.frobnicate", "unknown_parameter")
+    refused(api.chat.completions.create, {**chat, "messages": [{"role": "user", "content": "Hi", "frob": 1}]}, {},
+            "messages[0].frob", "unknown_parameter")
+    for field, value in REFUSED_CHAT.items():
+        refused(api.chat.completions.create, chat, {field: value}, field, "unsupported_parameter")
+    refused(api.chat.completions.create, {**chat, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, {},
+        "messages[0].content[0].type", "unsupported_parameter")
+    refused(api.chat.completions.create, {**chat, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]}, {},
+        "messages[0].tool_calls", "unsupported_parameter")
+    for field, value in {"echo": True, "suffix": "x"}.items():
+        refused(api.completions.create, text, {field: value}, field, "unsupported_parameter")
+    refused(api.completions.create, text, {"best_of": 3}, "best_of", "unsupported_value")
+    refused(api.chat.completions.create, chat, {"top_logprobs": 2}, "top_logprobs", None)   # without logprobs
+
+    plain = api.chat.completions.create(**chat).choices[0].token_ids
+    assert api.chat.completions.create(**chat, extra_body=NO_EFFECT_CHAT).choices[0].token_ids == plain
+    assert stream_ids(api.chat.completions.create(**chat, stream=True, stream_options={"include_obfuscation": True},
+                                                  extra_body=NO_EFFECT_CHAT))[0] == plain
+    plain = api.completions.create(**text).choices[0].token_ids
+    assert api.completions.create(**text, user="u-1", echo=False, best_of=1).choices[0].token_ids == plain
+
+    with urllib.request.urlopen(url + "/openapi.json", timeout=30) as r:
+        schemas = json.loads(r.read())["components"]["schemas"]
+    fields = schemas["ChatRequest"]["properties"]
+    assert {"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+            "min_p", "top_k", "stop_token_ids", *NO_EFFECT_CHAT} <= set(fields)
+    assert all("no effect" in fields[f]["description"] for f in NO_EFFECT_CHAT if f not in ("response_format",
+                                                                                           "modalities"))
+    assert not (set(REFUSED_CHAT) - {"response_format", "modalities"}) & set(fields)
+    assert {"logprobs", "echo", "best_of", "user"} <= set(schemas["CompletionRequest"]["properties"])
+    assert "suffix" not in schemas["CompletionRequest"]["properties"]
