@@ -82,7 +82,7 @@ def test_longest_whole_block_prefix_but_the_last_token():
     assert cache.match(prompt + [3], ("target", "hidden")).tokens == 0   # a part nobody stored
     hit = cache.match(prompt + [3], ("target",))
     into = torch.zeros(2, 64, 3)
-    cache.read(hit, "target", into, axis=1)
+    assert cache.copy(hit, "target", into, axis=1) == 40
     assert torch.equal(into[:, :40], target[:, :40]) and not into[:, 40:].any()
     assert cache.stats() == dict(queries=6, hits=4, query_tokens=40 + 41 + 40 + 8 + 41 + 41, hit_tokens=32 + 40 + 16 + 40,
                                  bytes=5 * 2 * B * 3 * 4, max_bytes=1 << 20, blocks=5, block_tokens=B, evictions=0)
@@ -95,6 +95,9 @@ def test_a_hit_needs_every_part():
     store(cache, prompt, target, feats, held=20)                          # features of 2 blocks only
     assert cache.match(prompt + [1], ("target", "hidden")).tokens == 16
     assert torch.equal(cache.read(cache.match(prompt + [1], ("hidden",)), "hidden"), feats[:16])
+    hit, into = cache.match(prompt + [1], ("target",)), torch.zeros(64, 3)
+    assert hit.tokens == 40 and cache.copy(hit, "hidden", into, 0) == 16   # the leading blocks a part has
+    assert torch.equal(into[:16], feats[:16]) and not into[16:].any()
 
 
 def test_least_recently_used_leaves_go_first_and_a_prompt_keeps_its_own_prefix():
@@ -167,11 +170,9 @@ def conversation(gen, method: str, cache: PrefixCache | None, turns: int = 4, re
     return out
 
 
-def hit_tokens(prompts: list[list[int]], method: str) -> list[int]:
-    """What each turn finds: the last prompt's whole blocks the method's parts have (the draft model's state
-    holds every position but the prompt's last), but the new prompt's last token."""
-    held = 1 if method == "draft" else 0
-    return [0] + [(min(len(a) - held, len(b) - 1)) // B * B for a, b in zip(prompts, prompts[1:])]
+def hit_tokens(prompts: list[list[int]]) -> list[int]:
+    """What each turn finds: the last prompt's whole blocks, but the new prompt's last token."""
+    return [0] + [min(len(a), len(b) - 1) // B * B for a, b in zip(prompts, prompts[1:])]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -187,7 +188,7 @@ def test_multi_turn_output_is_the_output_without_the_cache(engines, method):
         assert_same_or_tie(ours, ref, prompt, model)
         if ours == ref:   # the drafters' state after a hit is theirs after a full prefill: the same rounds
             assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
-    expected = hit_tokens([p for p, _, _ in on], method)
+    expected = hit_tokens([p for p, _, _ in on])
     assert [s["prefix_cache_tokens"] for _, _, s in on] == expected and all(expected[1:])
     assert [s["prompt_tokens"] for _, _, s in on] == [len(p) for p, _, _ in on]
     assert [s["prefix_cache_tokens"] for _, _, s in off] == [0] * 4
@@ -197,8 +198,10 @@ def test_multi_turn_output_is_the_output_without_the_cache(engines, method):
     check_structure(cache)
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle"])
-def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, method):
+@pytest.mark.parametrize("method,first_by", [("draft", "draft"), ("draft", "autoregressive"), ("eagle", "eagle")])
+def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, method, first_by):
+    """The draft model's cache is copied from the blocks (or, where a request of another method cached them,
+    prefilled); EAGLE's features are copied and its layer prefilled from them."""
     gen, _ = engines
     first, prompt = ids_of(30, 1), ids_of(30, 1) + ids_of(9, 2)
     batches = []
@@ -206,7 +209,7 @@ def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, me
         gen.prefix_cache = cache
         try:
             if cache is not None:
-                gen.generate(prompt_ids=first, max_new_tokens=1, **options(method))
+                gen.generate(prompt_ids=first, max_new_tokens=1, **options(first_by))
             batch = gen.batch(1, len(prompt) + 8, **options(method))
             batch.add(prompt, 8)
         finally:
@@ -317,3 +320,48 @@ def test_generator_refuses_a_negative_size(engines):
     gen, _ = engines
     with pytest.raises(InputError, match="prefix cache of -2 MB"):
         Generator.from_engines(gen.directory, prefix_cache_mb=-2)
+
+
+def test_eagle3_restores_from_the_cached_aux_states(tmp_path):
+    """An EAGLE-3 drafter reads the target's aux states (three layers' inputs): those are cached, and its output
+    over a conversation is the one without the cache."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    from test_eagle3 import LAYERS, LAYOUTS, V as V3, write_published
+    arch, prefix, weights, extra, layer_ids, _ = LAYOUTS["eagle-authors"]
+    assert V3 == V
+    model = tiny_model(arch, seed=1, vocab=V, layers=LAYERS, init=0.3)
+    model.save_pretrained(tmp_path / "src")
+    ckpt = write_published(tmp_path / "eagle3", model, prefix, weights, extra)
+    export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=MAX_LEN, log=lambda *_: None,
+                   eagle=str(ckpt), eagle_layer_ids=layer_ids, check_drafters=False)
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    gen = Generator.from_engines(tmp_path / "engines")
+    gen.prefill_chunk = 8
+    off = conversation(gen, "eagle", None, turns=3)
+    cache = PrefixCache(1 << 20, block=B)
+    on = conversation(gen, "eagle", cache, turns=3, reference=off)
+    for (prompt, ours, stats), (_, ref, ref_stats) in zip(on, off):
+        assert_same_or_tie(ours, ref, prompt, model)
+        if ours == ref:
+            assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
+    assert [s["prefix_cache_tokens"] for _, _, s in on] == hit_tokens([p for p, _, _ in on])
+    assert {part for part, _ in cache._entries} == {"target", "aux"}
+
+
+def test_logprobs_and_penalties_with_a_hit(engines):
+    """A request's processors and logprobs see the whole prompt whether its prefix came from the cache or not."""
+    gen, model = engines
+    first, prompt = ids_of(30, 6), ids_of(30, 6) + ids_of(7, 7)
+    kw = dict(max_new_tokens=12, logprobs=2, repetition_penalty=1.3, presence_penalty=0.5, **options("draft"))
+    try:
+        off = gen.generate(prompt_ids=prompt, **kw)
+        gen.prefix_cache = PrefixCache(1 << 20, block=B)
+        gen.generate(prompt_ids=first, max_new_tokens=1, method="autoregressive")   # no draft model's blocks
+        on = gen.generate(prompt_ids=prompt, **kw)
+    finally:
+        gen.prefix_cache = None
+    assert on.stats["prefix_cache_tokens"] == 24
+    assert on.token_ids == off.token_ids   # no near tie here: a difference is the processors'
+    for a, b in zip(on.logprobs[0], off.logprobs[0]):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < TOL

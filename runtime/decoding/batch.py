@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -207,22 +206,21 @@ class Batch:
 
     def _restore(self, j: _Joining) -> None:
         """The longest prefix of a joining request's prompt that the generator's prefix cache holds, with every part
-        the method needs, into its row: the target's keys and values, and the drafter's state (its `restore`: the
-        draft model's cache copied, EAGLE's layer prefilled from the target's cached states). Its prefill goes on
-        from there."""
+        the method cannot do without, into its row: the target's keys and values, and the drafter's state (its
+        `restore`: the draft model's cache copied where cached, EAGLE's layer prefilled from the target's cached
+        states). Its prefill goes on from there."""
         cache, run = self.gen.prefix_cache, self.run
         j.cached = 0
         self.prompt_tokens += len(j.ids)
         if cache is None:
             return
-        hit = cache.match(j.ids, ("target", *(self.drafter.cached if self.drafter else ())))
+        hit = cache.match(j.ids, ("target", *(self.drafter.cache_needs if self.drafter else ())))
         if not hit.tokens:
             return
-        cache.read(hit, "target", j.cache.data[:, 0], axis=2)                          # (2L, Hkv, Smax, D)
+        cache.copy(hit, "target", j.cache.data[:, 0], axis=2)                          # (2L, Hkv, Smax, D)
         j.cache.truncate(hit.tokens)
         if self.drafter is not None:
-            self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), hit.tokens,
-                                 functools.partial(cache.read, hit), self.gen.prefill_chunk)
+            self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), cache, hit, self.gen.prefill_chunk)
         j.done = j.cached = hit.tokens
         self.cached_tokens += hit.tokens
 

@@ -80,12 +80,12 @@ class RowlessDrafter:
     """A drafter that keeps nothing per row: a prompt, a row's copies or a row moved in the batch need no work, and
     (unless it overrides `observe`) neither does a round's outcome."""
 
-    cached = ()   # the parts of its state the prefix cache keeps (see restore): none
+    cache_needs = ()   # the parts of the prefix cache a hit must have for it (see Batch._restore): none
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         pass
 
-    def restore(self, run, row: int, prompt: torch.Tensor, length: int, read, chunk: int) -> None:
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
         pass
 
     def cache_parts(self, row: int, m: int) -> dict:
@@ -115,7 +115,7 @@ class DraftModelDrafter:
         self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
     pool = None   # the cache's rows for the whole batch, made at the first prefill
-    cached = ("draft",)   # its keys and values ride in the prefix cache beside the target's (restore)
+    cache_needs = ()   # its keys and values ride in the prefix cache, but a hit without them prefills them (restore)
 
     def _make_pool(self, run) -> None:
         if self.pool is None:
@@ -124,23 +124,29 @@ class DraftModelDrafter:
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
+        self._prefill(run, row, prompt, start, hidden.shape[1])
+
+    def _prefill(self, run, row: int, prompt: torch.Tensor, start: int, S: int) -> None:
         self._make_pool(run)
         one, dev = self.pool.row(row), run.device
         if start == 0:
             one.truncate(0)
-        S = min(hidden.shape[1], prompt.shape[1] - 1 - start)
+        S = min(S, prompt.shape[1] - 1 - start)
         if S > 0:
             out = self.timer(self.engine, one, prompt[:, start:start + S], (start + _arange(S, dev))[None],
                              chain_mask(1, S, dev), 1)
             one.write(out.new_kv)
             one.past_len += S
 
-    def restore(self, run, row: int, prompt: torch.Tensor, length: int, read, chunk: int) -> None:
-        """A prompt's first `length` positions from the prefix cache (`read(part, into, axis)`: PrefixCache.read of
-        the request's hit): its keys and values are copied into the row, nothing is run."""
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
+        """A prompt's first `hit.tokens` positions from the prefix cache `cache` (a PrefixCache): its keys and values
+        where they are cached (copied), the rest (blocks that a request of another method cached) prefilled in
+        `chunk`s."""
         self._make_pool(run)
-        read("draft", self.pool.data[:, row], 2)                              # (2L, Hkv, Smax, D)
-        self.pool.row(row).truncate(length)
+        done = cache.copy(hit, "draft", self.pool.data[:, row], 2)            # (2L, Hkv, Smax, D)
+        self.pool.row(row).truncate(done)
+        for start in range(done, hit.tokens, chunk):
+            self._prefill(run, row, prompt, start, min(chunk, hit.tokens - start))
 
     def cache_parts(self, row: int, m: int) -> dict:
         """What the prefix cache keeps of a row after its prompt's prefill: its keys and values over the prompt but

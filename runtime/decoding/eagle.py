@@ -100,8 +100,9 @@ class EagleDrafter:
         # or else learnt from its first row of whole-vocabulary logits (the finite ones)
         self.kept, self.narrow = output_ids, output_ids is not None
         self.aux = getattr(engine, "spec", {}).get("aux_size")   # EAGLE-3: the width of the target states it reads
-        # the target's states it reads ride in the prefix cache (restore); its own cache is prefilled from them
-        self.cached = ("aux",) if self.aux else ("hidden",)
+        # the target's states it reads ride in the prefix cache, a hit needs them (restore); its own cache is
+        # prefilled from them
+        self.cache_needs = ("aux",) if self.aux else ("hidden",)
         self._zeros: dict[tuple, torch.Tensor] = {}   # (B, S, width) -> the zero input a pass does not use
         self._pending = None              # (run.accepted before the round, live rows, predicted) of the last tree
         self._feeds: dict[tuple, tuple] = {}   # the CPU's host path: per pass shape and width, bound inputs
@@ -136,18 +137,18 @@ class EagleDrafter:
             one.write(out.new_kv)
             one.past_len += n
 
-    def restore(self, run, row: int, prompt: torch.Tensor, length: int, read, chunk: int) -> None:
-        """A prompt's first `length` positions from the prefix cache (`read(part)`: PrefixCache.read of the request's
-        hit, a new tensor): the target's states there are cached, the drafter's own layer is not (its slot t
-        reads token t+1, past the block that holds position t), so it is prefilled from them in `chunk`s."""
-        states = read(self.cached[0])[None]                                      # (1, length, d)
-        for start in range(0, length, chunk):
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
+        """A prompt's first `hit.tokens` positions from the prefix cache `cache` (a PrefixCache): the target's states
+        there are cached, the drafter's own layer is not (its slot t reads token t+1, past the block that holds
+        position t), so it is prefilled from them in `chunk`s."""
+        states = cache.read(hit, self.cache_needs[0])[None]                     # (1, length, d)
+        for start in range(0, hit.tokens, chunk):
             self.prefill(run, row, prompt, start, states[:, start:start + chunk])
 
     def cache_parts(self, row: int, m: int) -> dict:
         """What the prefix cache keeps of a row after its prompt's prefill: the target's states at the prompt's
         positions (PrefixCache.store's (tensor, position axis, positions held))."""
-        return {self.cached[0]: (self._history[row], 0, m)}                  # (Smax, d)
+        return {self.cache_needs[0]: (self._history[row], 0, m)}             # (Smax, d)
 
     def join(self, run, row: int, copies: int) -> None:
         """The prefilled row (history and cache) to the request's other rows."""

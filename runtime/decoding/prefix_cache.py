@@ -8,7 +8,7 @@ the key of block i exactly when they share their first (i+1)·block tokens. Each
 entry: "target" (the target's keys and values, (2L, Hkv, block, D)) and what a method's drafter keeps per row (see
 Batch._restore): "draft" (the draft model's keys and values), "hidden" or "aux" (the target's features that an
 EAGLE or EAGLE-3 drafter reads). A request finds the longest run of whole blocks from the start of its prompt that
-has every part it needs, but never its last token (whose logits give the first new token); the blocks are copied
+has every part it cannot do without (the target's, and the features for EAGLE), but never its last token (whose logits give the first new token); the blocks are copied
 into its row of the static cache and the rest is prefilled as before.
 
 The entries are bounded in bytes. They are kept in order of use, least recently used first, and a block is always
@@ -93,15 +93,23 @@ class PrefixCache:
         self.hit_tokens += n * self.block
         return Hit(n * self.block, keys[:n])
 
-    def read(self, hit: Hit, part: str, into: torch.Tensor | None = None, axis: int = 0) -> torch.Tensor:
-        """The hit's positions of `part`: copied into `into` (a row's tensor whose axis `axis` runs over
-        positions), or, without one, a new tensor (its blocks concatenated along `axis`)."""
-        blocks = [self._entries[(part, k)].data for k in hit.keys]
-        if into is None:
-            return torch.cat(blocks, axis)
-        for i, data in enumerate(blocks):
-            into.narrow(axis, i * self.block, self.block).copy_(data)
-        return into
+    def read(self, hit: Hit, part: str, axis: int = 0) -> torch.Tensor:
+        """The hit's positions of `part` (one the match required), its blocks concatenated along `axis`."""
+        return torch.cat([self._entries[(part, k)].data for k in hit.keys], axis)
+
+    def copy(self, hit: Hit, part: str, into: torch.Tensor, axis: int) -> int:
+        """The hit's leading positions that `part` has cached (all of them for a part the match required) copied
+        into `into`, a row's tensor whose axis `axis` runs over positions; they become the most recently used.
+        Returns how many positions were copied."""
+        chain = []
+        for k in hit.keys:
+            entry = self._entries.get((part, k))
+            if entry is None:
+                break
+            into.narrow(axis, len(chain) * self.block, self.block).copy_(entry.data)
+            chain.append((part, k))
+        self._touch(chain)
+        return len(chain) * self.block
 
     # ---- storing --------------------------------------------------------------------------------------------
     def store(self, ids: list[int], parts: dict[str, tuple[torch.Tensor, int, int]]) -> None:
