@@ -27,8 +27,10 @@ class TokenTexts:
         self.tokenizer, self.known = tokenizer, {}
         self.byte_level = False
         if tokenizer is not None:
-            decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-            self.byte_level = decoder.get("type") == "ByteLevel"
+            backend = getattr(tokenizer, "backend_tokenizer", None)   # a fast tokenizer's: how it decodes
+            decoder = (json.loads(backend.to_str()).get("decoder") or {}) if backend is not None else {}
+            kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]   # a Sequence's, or the one
+            self.byte_level = "ByteLevel" in kinds
             self.added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
             self.byte_of = {c: b for b, c in _bytes_to_unicode().items()}
 

@@ -1,5 +1,7 @@
-"""The OpenAI API's schema as specrt serves it: the request models (OpenAI's fields that specrt serves, its
-`specrt` extension field) and the errors, OpenAI's error objects."""
+"""The OpenAI API's schema as specrt serves it: the request models (OpenAI's fields that specrt serves, those it
+accepts with no effect, vLLM's extensions, its own `specrt` field), the fields it refuses by name (`refused`, the seam
+where structured output and tool calls come in: a field served moves from REFUSED into its model), and the errors,
+OpenAI's error objects."""
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
@@ -121,7 +123,7 @@ class ResponseFormat(Forbid):
 class ChatRequest(BaseRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="Each token's log-probability (choices[i].logprobs.content).")
+    logprobs: bool | None = Field(False, description="Each token's log-probability (choices[i].logprobs.content).")
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Alternatives per token (needs "
                                      "logprobs: true).")
     response_format: ResponseFormat | None = None
