@@ -84,8 +84,9 @@ def test_longest_whole_block_prefix_but_the_last_token():
     into = torch.zeros(2, 64, 3)
     assert cache.copy(hit, "target", into, axis=1) == 40
     assert torch.equal(into[:, :40], target[:, :40]) and not into[:, 40:].any()
-    assert cache.stats() == dict(queries=6, hits=4, query_tokens=40 + 41 + 40 + 8 + 41 + 41, hit_tokens=32 + 40 + 16 + 40,
-                                 bytes=5 * 2 * B * 3 * 4, max_bytes=1 << 20, blocks=5, block_tokens=B, evictions=0)
+    assert cache.stats() == dict(queries=6, hits=4, query_tokens=40 + 41 + 40 + 8 + 41 + 41,
+                                 hit_tokens=32 + 40 + 16 + 40, bytes=5 * 2 * B * 3 * 4, max_bytes=1 << 20, blocks=5,
+                                 block_tokens=B, evictions=0)
 
 
 def test_a_hit_needs_every_part():
@@ -365,3 +366,38 @@ def test_logprobs_and_penalties_with_a_hit(engines):
     assert on.token_ids == off.token_ids   # no near tie here: a difference is the processors'
     for a, b in zip(on.logprobs[0], off.logprobs[0]):
         assert a.token == b.token and abs(a.logprob - b.logprob) < TOL
+
+
+@pytest.mark.slow
+def test_a_real_chat_with_eagle(default_generator, request):
+    """SmolLM2 and its EAGLE drafter over a three-turn chat: each turn's prompt (the chat template over the turns so
+    far) starts with the last one's, whose blocks it finds; the answers are those without the cache."""
+    gen = default_generator
+    users = ["Name three primary colors.", "Which of them is in the sky?", "And in grass?"]
+
+    def chat(cache, reference=None):
+        gen.prefix_cache, messages, out = cache, [], []
+        try:
+            for t, text in enumerate(users):
+                messages.append({"role": "user", "content": text})
+                prompt = gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+                got = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="eagle")
+                out.append((prompt, got.token_ids[0], got.stats["prefix_cache_tokens"]))
+                answer = reference[t][1] if reference is not None else got.token_ids[0]
+                text = gen.tokenizer.decode(answer, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": text})
+        finally:
+            gen.prefix_cache = None
+        return out
+
+    class Lazy:   # the transformers model, loaded only if a comparison needs its logits
+        def __call__(self, ids):
+            return request.getfixturevalue("smollm2")(ids)
+
+    off = chat(None)
+    on = chat(PrefixCache(64 << 20), reference=off)
+    for (prompt, ours, cached), (_, ref, _), last in zip(on, off, [None] + on[:-1]):
+        assert_same_or_tie(ours, ref, prompt, Lazy())
+        if last is not None:
+            assert prompt[:len(last[0])] == last[0] and cached == len(last[0]) // BLOCK * BLOCK > 0

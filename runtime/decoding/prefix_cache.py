@@ -1,15 +1,16 @@
 """The prefix cache: what a prompt's prefill left in its row, kept for the next prompt that starts the same way.
 
-A prompt's positions are cut into blocks of `block` tokens (BLOCK = 32: a hit leaves at most 31 prompt tokens
-before the request's own to prefill again, which costs about one pass at these widths, while halving the block
-would double the entries, hashes and copies per prefix). A block is keyed by the hash chain of the token ids up
-to its end (vLLM's automatic prefix caching): key_i = BLAKE2b(key_{i-1} ‖ tokens of block i), so two prompts share
-the key of block i exactly when they share their first (i+1)·block tokens. Each block holds *parts*, each its own
-entry: "target" (the target's keys and values, (2L, Hkv, block, D)) and what a method's drafter keeps per row (see
-Batch._restore): "draft" (the draft model's keys and values), "hidden" or "aux" (the target's features that an
+A prompt's positions are cut into blocks of `block` tokens (BLOCK = 32: a hit recomputes at most 31 tokens of the
+cached prompt, which ride in the pass over the new prompt's own tokens at little cost, while 16 would double the
+entries, hashes and copies per prefix and 64 would leave twice as much to recompute). A block is keyed by the hash
+chain of the token ids up to its end (vLLM's automatic prefix caching): key_i = BLAKE2b(key_{i-1} ‖ tokens of block
+i), so two prompts share the key of block i exactly when they share their first (i+1)·block tokens. A block holds
+*parts*, each its own entry: "target" (the target's keys and values, (2L, Hkv, block, D)) and what a method's
+drafter keeps per row: "draft" (the draft model's keys and values), "hidden" or "aux" (the target's states that an
 EAGLE or EAGLE-3 drafter reads). A request finds the longest run of whole blocks from the start of its prompt that
-has every part it cannot do without (the target's, and the features for EAGLE), but never its last token (whose logits give the first new token); the blocks are copied
-into its row of the static cache and the rest is prefilled as before.
+has every part it cannot do without (the target's; EAGLE's states, which only the target's pass gives), but never
+its last token (whose logits give the first new token); its row takes copies of them and the rest of its prompt is
+prefilled as before (Batch._restore; the drafters' `restore` say what each does).
 
 The entries are bounded in bytes. They are kept in order of use, least recently used first, and a block is always
 used more recently than any block after it in a chain (a chain's blocks are touched from its end to its start), so
