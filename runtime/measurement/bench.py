@@ -559,5 +559,119 @@ def bench(engines, prompts, long_prompts, methods, temperatures, acceptance, max
     console.print(f"wrote {', '.join(str(p) for p in files['paths'])}")
 
 
+# ---- prefix cache: time to first token on repeated context ------------------------------------------------
+FOLLOW_UPS = ("Summarise your answers so far in two sentences.", "Which of your points matters most, and why?")
+
+
+def _first_token(gen, ids: list[int], method: str, max_new: int) -> dict:
+    """One greedy request, streamed: seconds to its first token and to its end, and its prompt tokens that came
+    from the prefix cache."""
+    t, first, tokens = time.perf_counter(), None, []
+    for chunk in gen.stream(prompt_ids=ids, max_new_tokens=max_new, method=method):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - t
+        tokens += chunk.token_ids
+        stats = chunk.stats
+    return {"ttft_s": first, "total_s": time.perf_counter() - t, "prompt_tokens": len(ids),
+            "cached_tokens": stats["prefix_cache_tokens"], "ids": tokens}
+
+
+def prefix_cache_runs(engines: Path, methods=("autoregressive", "eagle"), chats: int = 2, turns: int = 4,
+                      requests: int = 4, system_tokens: int = 1900, max_new: int = 64, mb: float = 512,
+                      threads: int | None = None, log=print) -> list[dict]:
+    """Each request twice, back to back: without the prefix cache, then with it (one cache per conversation or
+    request set). Multi-turn chats: MT-Bench's two turns carried on with FOLLOW_UPS to `turns` turns, each turn's
+    prompt the chat so far (the answers are the run without the cache's); requests sharing a system prompt of
+    about `system_tokens` tokens (the first packaged long prompt, cut) with MT-Bench questions."""
+    from specrt.decoding.generate import Generator
+    from specrt.decoding.prefix_cache import PrefixCache
+    gen = Generator.from_engines(engines, threads=threads)
+    tok = gen.tokenizer
+
+    def encode(messages):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    rows = []
+
+    def run(row: dict, ids: list[int], cache, method: str) -> list[int]:
+        """The request without the cache, then with it, into `rows`; returns the answer without it."""
+        arms = {}
+        for arm, c in (("off", None), ("on", cache)):
+            gen.prefix_cache = c
+            arms[arm] = _first_token(gen, ids, method, max_new)
+        gen.prefix_cache = None
+        off, on = (arms[a].pop("ids") for a in ("off", "on"))
+        rows.append({**row, **arms, "same_output": on == off})
+        log(f"{row['scenario']} {method} {row['item']}: {len(ids)} tokens ({arms['on']['cached_tokens']} cached), "
+            f"first token {arms['off']['ttft_s']:.2f} s -> {arms['on']['ttft_s']:.2f} s")
+        return off
+
+    chat_rows = [json.loads(r) for r in resources.files("specrt").joinpath(f"data/{MT_BENCH}").read_text()
+                 .splitlines()[:chats]]
+    doc = json.loads(resources.files("specrt").joinpath(f"data/{LONG_PROMPTS}").read_text().splitlines()[0])
+    system = tok.decode(tok(doc["prompt"])["input_ids"][:system_tokens])
+    questions = [json.loads(r)["turns"][0] for r in resources.files("specrt").joinpath(f"data/{MT_BENCH}")
+                 .read_text().splitlines()[chats:chats + requests]]
+    for method in methods:
+        for chat in chat_rows:
+            cache, messages = PrefixCache.of_mb(mb), []
+            for t, text in enumerate((list(chat["turns"]) + list(FOLLOW_UPS))[:turns]):
+                messages.append({"role": "user", "content": text})
+                answer = run({"scenario": "chat", "method": method, "item": f"{chat['id']} turn {t + 1}"},
+                             encode(messages), cache, method)
+                messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+        cache = PrefixCache.of_mb(mb)
+        for i, q in enumerate(questions):
+            run({"scenario": "shared system prompt", "method": method, "item": f"request {i + 1}"},
+                encode([{"role": "system", "content": system}, {"role": "user", "content": q}]), cache, method)
+    return rows
+
+
+def prefix_cache_table(rows: list[dict]) -> list[str]:
+    """Markdown: each request's time to first token and total time without and with the cache, then per scenario
+    and method the means over the requests that found a cached prefix."""
+    lines = ["| scenario | method | request | prompt tokens | cached | first token off s | on s | total off s | on s "
+             "| same output |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['method']} | {r['item']} | {r['on']['prompt_tokens']} | "
+                     f"{r['on']['cached_tokens']} | {r['off']['ttft_s']:.2f} | {r['on']['ttft_s']:.2f} | "
+                     f"{r['off']['total_s']:.2f} | {r['on']['total_s']:.2f} | {'yes' if r['same_output'] else 'no'} |")
+    lines += ["", "| scenario | method | requests with a hit | mean cached tokens | first token off s | on s | "
+              "speedup | total off s | on s |", "|---|---|---|---|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["scenario"], r["method"]) for r in rows):
+        hit = [r for r in rows if (r["scenario"], r["method"]) == key and r["on"]["cached_tokens"]]
+        if not hit:
+            continue
+        mean = {f"{a}_{k}": float(np.mean([r[a][k] for r in hit]))
+                for a in ("off", "on") for k in ("ttft_s", "total_s")}
+        cached = np.mean([r["on"]["cached_tokens"] for r in hit])
+        lines.append(f"| {key[0]} | {key[1]} | {len(hit)} | {cached:.0f} | {mean['off_ttft_s']:.2f} | "
+                     f"{mean['on_ttft_s']:.2f} | {mean['off_ttft_s'] / mean['on_ttft_s']:.1f}x | "
+                     f"{mean['off_total_s']:.2f} | {mean['on_total_s']:.2f} |")
+    return lines
+
+
+@click.command()
+@click.argument("engines", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--methods", default="autoregressive,eagle", show_default=True, help="Comma-separated methods.")
+@click.option("--chats", default=2, show_default=True, help="MT-Bench conversations, each carried on to --turns.")
+@click.option("--turns", default=4, show_default=True)
+@click.option("--requests", default=4, show_default=True, help="Requests sharing the long system prompt.")
+@click.option("--system-tokens", default=1900, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--prefix-cache", "mb", default=512.0, show_default=True, help="The cache's size in MB.")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
+@click.option("--out", default="prefix-cache.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+def prefix_cache_bench(engines, methods, chats, turns, requests, system_tokens, max_new_tokens, mb, threads, out):
+    """Time to first token and total time with the prefix cache off and on, side by side (prefix_cache_runs)."""
+    rows = prefix_cache_runs(engines, tuple(methods.split(",")), chats, turns, requests, system_tokens,
+                             max_new_tokens, mb, threads, log=lambda line: click.echo(line, err=True))
+    out.write_text(json.dumps({"machine": machine_info(threads or os.cpu_count()), "rows": rows}, indent=1))
+    click.echo("\n".join(prefix_cache_table(rows)))
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--memory-child"]:
     print(json.dumps(_memory_child(json.load(sys.stdin))))
+elif __name__ == "__main__" and sys.argv[1:2] == ["prefix-cache"]:
+    prefix_cache_bench.main(sys.argv[2:], prog_name="python -m specrt.measurement.bench prefix-cache")
