@@ -14,6 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import hypothesis
+import jsonschema
 import openai
 import pytest
 import schemathesis
@@ -1045,9 +1046,7 @@ def test_penalties_and_logit_bias_equal_autoregressive_with_them(smol):
 NO_EFFECT_CHAT = {"user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto",
                   "parallel_tool_calls": False, "safety_identifier": "s-1", "prompt_cache_key": "k",
                   "prompt_cache_retention": "24h", "response_format": {"type": "text"}, "modalities": ["text"]}
-REFUSED_CHAT = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-                "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+REFUSED_CHAT = {"functions": [{"name": "f"}], "function_call": "auto",
                 "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
                 "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
                 "web_search_options": {}, "moderation": {"model": "m"}}
@@ -1056,7 +1055,7 @@ REFUSED_CHAT = {"tools": [{"type": "function", "function": {"name": "f", "parame
 @pytest.mark.slow
 def test_every_field_is_served_refused_or_without_effect(smol):
     """Nothing is silently ignored: an unknown field, at the top or nested, is a 400 naming it; OpenAI's fields that
-    specrt does not serve (tools until tool calls land, structured output, audio, ...) are a 400 naming each; the
+    specrt does not serve (the deprecated functions, audio, ...) are a 400 naming each; the
     fields accepted with no effect give the same answer as without them; the OpenAPI document lists the served and
     the no-effect fields, not the refused ones."""
     gen, url = smol
@@ -1081,8 +1080,8 @@ def test_every_field_is_served_refused_or_without_effect(smol):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, {},
         "messages[0].content[0].type", "unsupported_parameter")
     refused(api.chat.completions.create, {**chat, "messages": [
-        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}]}, {},
-        "messages[0].tool_calls", "unsupported_parameter")
+        {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]}, {},
+        "messages[0].function_call", "unsupported_parameter")
     for field, value in {"echo": True, "suffix": "x"}.items():
         refused(api.completions.create, text, {field: value}, field, "unsupported_parameter")
     refused(api.completions.create, text, {"best_of": 3}, "best_of", "unsupported_value")
@@ -1102,6 +1101,99 @@ def test_every_field_is_served_refused_or_without_effect(smol):
             "min_p", "top_k", "stop_token_ids", *NO_EFFECT_CHAT} <= set(fields)
     assert all("no effect" in fields[f]["description"] for f in NO_EFFECT_CHAT if f not in ("response_format",
                                                                                            "modalities"))
-    assert not (set(REFUSED_CHAT) - {"response_format", "modalities"}) & set(fields)
+    assert not (set(REFUSED_CHAT) - {"modalities"}) & set(fields)
+    assert {"response_format", "guided_regex", "guided_grammar", "tools", "tool_choice"} <= set(fields)
     assert {"logprobs", "echo", "best_of", "user"} <= set(schemas["CompletionRequest"]["properties"])
     assert "suffix" not in schemas["CompletionRequest"]["properties"]
+
+
+# ---- structured output and tool calls ------------------------------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "size": {"enum": ["big", "small"]}, "rivers": {"type": "integer"}},
+        "required": ["city", "size", "rivers"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 24},
+                                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                               "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "zone": {"type": "string", "maxLength": 24}},
+                                               "required": ["zone"], "additionalProperties": False}}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def parameters(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+@pytest.mark.slow
+def test_response_format_follows_its_schema_as_constrained_autoregressive(smol):
+    """A json_schema answer parses, validates and is greedy equal to the in-process constrained autoregressive
+    answer, with two methods; json_object parses; guided_regex matches; a spec that does not compile is a 400 naming
+    its field."""
+    gen, url = smol
+    api = client(url)
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    want = gen.generate(prompt_ids=chat_ids(gen, messages), max_new_tokens=48, temperature=0,
+                        method="autoregressive", grammar=("json_schema", CITY)).token_ids[0]
+    for method in ("medusa", "draft"):
+        choice = api.chat.completions.create(model="default", messages=messages, max_tokens=48, temperature=0,
+                                             response_format=fmt, extra_body={"specrt": {"method": method}}).choices[0]
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+        assert (choice.finish_reason, choice.token_ids) == ("stop", want), method
+    choice = api.chat.completions.create(model="default", messages=messages, max_tokens=64, temperature=0,
+                                         response_format={"type": "json_object"}).choices[0]
+    assert isinstance(json.loads(choice.message.content), dict), choice
+    text = api.completions.create(model="default", prompt="The year is", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": " [0-9]{4}"}).choices[0].text
+    assert re.fullmatch(" [0-9]{4}", text), text
+    bad = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+           "guided_regex": "([0-9]", "guided_grammar": "start: nothing_defined"}
+    for field, value in bad.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model="default", messages=messages, max_tokens=4, extra_body={field: value})
+        assert e.value.param == field and field in e.value.message, e.value.body
+
+
+@pytest.mark.slow
+def test_tool_calls_round_trip_through_the_client(smol):
+    """tool_choice required (two tools) and a named function answer tool_calls whose arguments validate against the
+    tool's parameters, the same streamed (reassembled from the deltas); a follow-up turn with the tool's result is
+    accepted; none answers text; an unknown named function is a 400."""
+    gen, url = smol
+    api = client(url)
+    ask = dict(model="default", messages=WEATHER, tools=TOOLS, max_tokens=48, temperature=0)
+    names = {t["function"]["name"] for t in TOOLS}
+    for choice_, allowed in (("required", names), ({"type": "function", "function": {"name": "get_time"}},
+                                                   {"get_time"})):
+        choice = api.chat.completions.create(**ask, tool_choice=choice_).choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None), choice
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name in allowed and call.id, call
+        jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
+        if choice_ == "required":
+            required = call
+    call = required
+
+    streamed, reason = {}, None
+    for chunk in api.chat.completions.create(**ask, tool_choice="required", stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            got = streamed.setdefault(delta_call.index, {"name": "", "arguments": ""})
+            got["name"] += delta_call.function.name or ""
+            got["arguments"] += delta_call.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls" and streamed == {0: {"name": call.function.name,
+                                                       "arguments": call.function.arguments}}, streamed
+
+    turns = WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "21 degrees, sunny"}]
+    answer = api.chat.completions.create(**{**ask, "messages": turns}, tool_choice="auto").choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls"), answer
+    plain = api.chat.completions.create(**{**ask, "max_tokens": 8}, tool_choice="none").choices[0]
+    assert isinstance(plain.message.content, str) and not plain.message.tool_calls, plain
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_news"}})
+    assert e.value.param == "tool_choice", e.value.body

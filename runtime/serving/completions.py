@@ -1,6 +1,6 @@
-"""OpenAI's answers (vLLM's serving_completion / serving_chat): a request's options for the generator, its
-tokens from the scheduler, text cut at stop strings, and the answer: a completion, or server-sent events in OpenAI's
-chunk format."""
+"""OpenAI's answers (vLLM's serving_completion / serving_chat): a request's options for the generator (its grammar
+and tools included), its tokens from the scheduler, text cut at stop strings, and the answer: a completion, tool calls,
+or server-sent events in OpenAI's chunk format."""
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +15,15 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from specrt.decoding.generate import AUTO, METHODS, Generator
+from specrt.decoding.grammar import Grammar
 from specrt.decoding.processors import Penalties
 from specrt.decoding.run import MODEL_FREE
 from specrt.decoding.sampling import SamplingParams
 from specrt.errors import InputError
 from specrt.serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from specrt.serving.metrics import Metrics
-from specrt.serving.protocol import APIError, BaseRequest, ChatRequest, Message, api_error, error_body
+from specrt.serving.protocol import (APIError, BaseRequest, ChatRequest, Function, Message, NamedToolChoice,
+                                     api_error, error_body)
 from specrt.serving.scheduler import Job, Scheduler
 
 # ---- text with stop strings ----------------------------------------------------------------------------------------
@@ -58,12 +60,128 @@ def _finish(stop_reason: str | None) -> str:
 @dataclass
 class Piece:
     """What a round added to one sequence: its text (cut at a stop string), token ids, their TokenLogprobs (None:
-    not asked for), and at its end the finish reason and the sequence's figures."""
+    not asked for), at its end the finish reason and the sequence's figures, and its tool calls if it is one."""
     text: str | None
     ids: list[int]
     logprobs: list | None = None
     reason: str | None = None
     stats: dict | None = None
+    calls: list[dict] | None = None
+
+
+# ---- tool calls ----------------------------------------------------------------------------------------------------
+# A call is the reply `{"name": <a tool's name>, "arguments": {...}}` and nothing else. A model whose chat template
+# takes `tools` sees them there; any other sees them in a system message (TOOLS_PROMPT), its earlier calls as such
+# objects in its own turns.
+
+TOOLS_PROMPT = ("You can call these functions:\n{tools}\nTo call one, answer with only a JSON object "
+                "{{\"name\": <the function's name>, \"arguments\": <its arguments as an object>}}.")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's tools as its answer uses them: OpenAI's tool objects for the prompt, the names a reply may
+    call, and the JSON schema a forced call follows (None: `auto`, the reply may be text)."""
+    shown: list[dict]
+    names: frozenset[str]
+    forced: dict | None
+
+
+def call_schema(function: Function) -> dict:
+    """The JSON schema of a call of `function`: its name and its parameters' schema as the arguments."""
+    return {"type": "object", "properties": {"name": {"const": function.name},
+                                             "arguments": function.parameters or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tool_use(req: ChatRequest) -> Tools | None:
+    """The request's tools (None: no tools, or tool_choice none: a text answer, the tools not shown)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else choice.function.name!r}: "
+                                "needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    functions = {tool.function.name: tool.function for tool in req.tools}
+    if len(functions) < len(req.tools):
+        raise APIError(400, "tools: two tools have the same name", "tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in functions:
+            raise APIError(400, f"tool_choice {choice.function.name!r}: not one of the tools "
+                                f"({', '.join(functions)})", "tool_choice")
+        called = [functions[choice.function.name]]
+    else:
+        called = list(functions.values()) if choice == "required" else []
+    forced = None
+    if called:
+        forced = call_schema(called[0]) if len(called) == 1 else {"anyOf": [call_schema(f) for f in called]}
+    return Tools([tool.model_dump(exclude_none=True) for tool in req.tools], frozenset(functions), forced)
+
+
+def parse_calls(text: str, names: frozenset[str]) -> list[dict] | None:
+    """The reply as OpenAI's tool_calls if it is one call of a listed tool, else None."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
+            and isinstance(call["arguments"], dict)):
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+
+
+def _turn(message: Message, native: bool) -> dict:
+    """A message as the chat template takes it; without a template that knows tools, earlier calls are written as
+    the reply that made them."""
+    content = message.content if not isinstance(message.content, list) else "".join(p.text for p in message.content)
+    turn = {"role": message.role, "content": content} | ({"name": message.name} if message.name is not None else {})
+    calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+             for c in message.tool_calls or []]
+    if native:
+        if calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": call}
+                                  for c, call in zip(message.tool_calls, calls)]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+    elif calls or content is None:
+        turn["content"] = "\n".join([*([content] if content else []), *map(json.dumps, calls)])
+    return turn
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def _held(first: Piece, pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
+    """A stream's pieces with tool calls: a reply that may be a call (a forced one, or one that begins with "{") is
+    held to its end and comes as one piece, with its calls if it is one; any other streams as it comes."""
+    held, piece = [], first
+    try:
+        while True:
+            held.append(piece)
+            text = "".join(p.text or "" for p in held)
+            if tools.forced is None and text.strip() and not text.lstrip().startswith("{"):
+                break
+            if piece.reason is not None:
+                calls = parse_calls(text, tools.names) if piece.reason == "stop" else None
+                logprobs = None if all(p.logprobs is None for p in held) else \
+                    [lp for p in held for lp in p.logprobs or []]
+                yield Piece(None if calls else text, [t for p in held for t in p.ids], logprobs,
+                            "tool_calls" if calls else piece.reason, piece.stats, calls)
+                return
+            piece = await anext(pieces)
+        for piece in held:
+            yield piece
+        async for piece in pieces:
+            yield piece
+    finally:
+        await pieces.aclose()
 
 
 # ---- the server ----------------------------------------------------------------------------------------------------
@@ -129,21 +247,57 @@ class Server:
                            "prompt")
         return prompt
 
-    def chat_ids(self, messages: list[Message]) -> list[int]:
+    def chat_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The prompt's ids, through the model's chat template; `tools` (OpenAI's tool objects) go to a template
+        that takes them (it mentions `tools`), else into a system message (TOOLS_PROMPT): the first, or a new one."""
         tok = self.gen.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, f"messages: {self.model_name} has no chat template: use /v1/completions with the "
                                 "prompt as text or token ids", "messages")
-        turns = [{"role": m.role, "content": m.content if not isinstance(m.content, list) else
-                  "".join(p.text for p in m.content)} | ({"name": m.name} if m.name is not None else {})
-                 for m in messages]
+        native = "tools" in tok.chat_template
+        turns = [_turn(m, native) for m in messages]
+        if tools and not native:
+            prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+            if turns[0]["role"] == "system":
+                turns[0]["content"] = f"{turns[0]['content'] or ''}\n\n{prompt}"
+            else:
+                turns.insert(0, {"role": "system", "content": prompt})
+        extra = {"tools": tools} if tools and native else {}
         try:
-            ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, **extra)
         except jinja2.TemplateError as e:
             raise APIError(400, f"messages: the model's chat template refused them: {e}", "messages") from e
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
-    def options(self, req: BaseRequest, ids: list[int], param: str, max_tokens: int | None) -> dict:
+    def grammar(self, req: BaseRequest, tools: Tools | None = None) -> Grammar | None:
+        """The grammar the request's output follows (compiled, or from the cache), None for free text: its
+        response_format, guided_regex, guided_grammar or forced tool call, one at most. A spec that does not compile
+        is a 400 naming its field. Runs on the tokenizing thread."""
+        fmt, asked = req.response_format, []
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise APIError(400, f"response_format: type {fmt.type!r} " + ("needs json_schema" if fmt.json_schema
+                                is None else "takes no json_schema"), "response_format")
+        if fmt is not None and fmt.type != "text":
+            asked.append(("response_format", fmt.type, fmt.json_schema and fmt.json_schema.schema_))
+        if req.guided_regex is not None:
+            asked.append(("guided_regex", "regex", req.guided_regex))
+        if req.guided_grammar is not None:
+            asked.append(("guided_grammar", "grammar", req.guided_grammar))
+        if tools is not None and tools.forced is not None:
+            asked.append(("tools", "json_schema", tools.forced))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = [name if name != "tools" else "tool_choice" for name, *_ in asked]
+            raise APIError(400, f"{names[1]}: the output follows one of {' and '.join(names)}, not both", names[1])
+        param, kind, spec = asked[0]
+        try:
+            return self.gen.grammar(kind, spec)
+        except InputError as e:
+            raise APIError(400, f"{param}: {e}", param) from e
+
+    def options(self, req: BaseRequest, ids: list[int], param: str, max_tokens: int | None,
+                grammar: Grammar | None = None) -> dict:
         """generate()'s keyword arguments for a request whose prompt is `ids`, and its stop_token_ids. What the
         schema cannot say is checked here, each a 400 that names its field."""
         if not ids:
@@ -174,7 +328,7 @@ class Server:
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or req.specrt.top_k, seed=req.seed,
                     min_p=req.min_p or 0.0, method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
                     adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, logprobs=self.logprobs(req),
-                    penalties=self.penalties(req), stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [],
+                    penalties=self.penalties(req), grammar=grammar, stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [],
                                                                                            "stop_token_ids")))
 
     def logprobs(self, req: BaseRequest) -> int | None:
@@ -267,7 +421,7 @@ class Server:
             return lambda logprobs: chat_logprobs(self.token_texts, logprobs)
         return CompletionLogprobs(self.token_texts).piece
 
-    async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool):
+    async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool, tools: Tools | None = None):
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
@@ -290,7 +444,10 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 self.metrics.finish(ends[i][1]["method"], reason)
                 logprobs = self.logprobs_format(chat)(lps[i]) if want else None
-                choices.append(_choice(chat, i, cut if stopped else cut + text.flush(), tokens[i], reason, logprobs))
+                cut = cut if stopped else cut + text.flush()
+                calls = parse_calls(cut, tools.names) if tools is not None and reason == "stop" else None
+                choices.append(_choice(chat, i, cut, tokens[i], "tool_calls" if calls else reason, logprobs,
+                                       calls=calls))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens))),
                     "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
@@ -299,6 +456,9 @@ class Server:
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         fmt = self.logprobs_format(chat) if want else None
         if req.stream:
+            if tools is not None:
+                pieces = _held(first, pieces, tools)
+                first = await anext(pieces)
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_events(first, pieces, head, chat, ids, usage, fmt),
                                      media_type="text/event-stream")
@@ -309,17 +469,23 @@ class Server:
         logprobs = None
         if fmt is not None:
             logprobs = fmt([lp for piece in got for lp in piece.logprobs or []])
-        choice = _choice(chat, 0, "".join(piece.text or "" for piece in got), tokens, got[-1].reason, logprobs)
+        text, reason = "".join(piece.text or "" for piece in got), got[-1].reason
+        calls = parse_calls(text, tools.names) if tools is not None and reason == "stop" else None
+        choice = _choice(chat, 0, text, tokens, "tool_calls" if calls else reason, logprobs, calls=calls)
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": _usage(ids, len(tokens)), "specrt": got[-1].stats}
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
-            logprobs: dict | None = None, delta: bool = False) -> dict:
+            logprobs: dict | None = None, delta: bool = False, calls: list[dict] | None = None) -> dict:
     if not chat:
         body = {"text": text or ""}
+    elif delta and calls:
+        body = {"delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}}
     elif delta:
         body = {"delta": {"content": text} if text is not None else {}}
+    elif calls:
+        body = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}
     else:
         body = {"message": {"role": "assistant", "content": text or ""}}
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
@@ -350,7 +516,7 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
             count += len(piece.ids)
             if piece.text or piece.ids:
                 lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
-                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True)])
+                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)])
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
                 yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=piece.stats)
                 break

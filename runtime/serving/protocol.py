@@ -1,10 +1,10 @@
 """The OpenAI API's schema as specrt serves it: the request models (OpenAI's fields that specrt serves, those it
-accepts with no effect, vLLM's extensions, its own `specrt` field), the fields it refuses by name (`refused`, the seam
-where structured output and tool calls come in: a field served moves from REFUSED into its model), and the errors,
-OpenAI's error objects."""
+accepts with no effect, vLLM's extensions, its own `specrt` field), the fields it refuses by name (`refused`: a field served
+moves from REFUSED into its model), structured output's response_format and the guided_regex / guided_grammar
+extensions, tools and tool_choice, and the errors, OpenAI's error objects."""
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +41,23 @@ class StreamOptions(Forbid):
     include_obfuscation: bool | None = Field(None, description=NO_EFFECT)
 
 
+class JsonSchema(Forbid):
+    """response_format's json_schema: OpenAI's shape. The schema is always enforced (`strict` or not)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="A JSON schema (llguidance's "
+                                    "subset: a keyword it does not implement is a 400).")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(Forbid):
+    """The answer's format: plain text (the default), any JSON object, or JSON that follows `json_schema.schema`;
+    the output is constrained by a grammar at every token, with every method."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = Field(None, description="Needed by (and only with) type json_schema.")
+
+
 TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]   # logit_bias's keys: token ids as JSON's string keys
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
@@ -71,6 +88,13 @@ class BaseRequest(Forbid):
                                                                     "any of these tokens (it is in token_ids, not "
                                                                     "in the text).")
     specrt: SpecrtOptions = Field(default_factory=SpecrtOptions)
+    # structured output: OpenAI's response_format, vLLM's guided_regex / guided_grammar extensions (one at most)
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = Field(None, description="The whole output matches this regular expression (Rust "
+                                     "regex syntax).")
+    guided_grammar: str | None = Field(None, description="The output follows this context-free grammar: "
+                                       "llguidance's Lark dialect (`start: ...`) or llama.cpp's GBNF (`root ::= "
+                                       "...`).")
 
     # fields that OpenAI's API has and this server does not serve (yet): a 400 that says so. `refused` reads the raw
     # body, before the model validates it (values a field takes but does not serve fail its validation too)
@@ -108,16 +132,47 @@ class TextPart(Forbid):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class Function(Forbid):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="Its arguments' JSON schema (default: any object).")
+    strict: bool | None = Field(None, description="Accepted; a forced call always follows the schema.")
+
+
+class Tool(Forbid):
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(Forbid):
+    name: FunctionName
+
+
+class NamedToolChoice(Forbid):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(Forbid):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string, as the model wrote them.")
+
+
+class ToolCall(Forbid):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(Forbid):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="Given to the model's chat template, which may use it or not.")
-
-
-class ResponseFormat(Forbid):
-    """Only plain text today (`{"type": "text"}`, the default); json_object and json_schema come with structured
-    output."""
-    type: Literal["text"]
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier calls (role assistant).")
+    tool_call_id: str | None = Field(None, description="The call a tool's result answers (role tool).")
 
 
 class ChatRequest(BaseRequest):
@@ -126,20 +181,22 @@ class ChatRequest(BaseRequest):
     logprobs: bool | None = Field(False, description="Each token's log-probability (choices[i].logprobs.content).")
     top_logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX, description="Alternatives per token (needs "
                                      "logprobs: true).")
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description="none: "
+        "a text answer (the tools are not shown to the model); auto (the default with tools): the model answers "
+        "freely and a reply that is one JSON object {\"name\": a listed tool, \"arguments\": {...}} is a tool "
+        "call; required, or a named function: the reply is constrained to such a call.")
     modalities: list[Literal["text"]] | None = Field(None, description="Only [\"text\"].")
     metadata: dict[str, str] | None = Field(None, description=NO_EFFECT)
     store: bool | None = Field(None, description=NO_EFFECT)
     service_tier: str | None = Field(None, description=NO_EFFECT)
-    parallel_tool_calls: bool | None = Field(None, description=NO_EFFECT + " (No tools are served yet.)")
+    parallel_tool_calls: bool | None = Field(None, description=NO_EFFECT + " (An answer makes one call at most.)")
     safety_identifier: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_key: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_retention: str | None = Field(None, description=NO_EFFECT)
     REFUSED: ClassVar[dict[str, str]] = {
-        "tools": "tool calls are not served yet",
-        "tool_choice": "tool calls are not served yet",
-        "functions": "function calls are not served (nor tool calls yet)",
-        "function_call": "function calls are not served (nor tool calls yet)",
+        "functions": "the deprecated function calls are not served: use tools and tool_choice",
+        "function_call": "the deprecated function calls are not served: use tools and tool_choice",
         "audio": "audio output is not served: specrt answers in text",
         "prediction": "predicted outputs are not served (specrt speculates with its own drafters: the `specrt` "
                       "field's method)",
@@ -151,10 +208,6 @@ class ChatRequest(BaseRequest):
 
     @classmethod
     def refused(cls, body: dict) -> tuple[str, str] | None:
-        fmt = body.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            return "response_format", f"{fmt['type']!r} (structured output) is not served yet: only {{\"type\": " \
-                                      "\"text\"}"
         modalities = body.get("modalities")
         if isinstance(modalities, list) and any(m != "text" for m in modalities):
             return "modalities", f"{modalities}: only [\"text\"] is served"
@@ -162,9 +215,8 @@ class ChatRequest(BaseRequest):
         for i, message in enumerate(messages if isinstance(messages, list) else []):
             if not isinstance(message, dict):
                 continue
-            for name in ("tool_calls", "tool_call_id", "function_call"):
-                if message.get(name) is not None:
-                    return f"messages[{i}].{name}", "tool calls are not served yet"
+            if message.get("function_call") is not None:
+                return f"messages[{i}].function_call", "the deprecated function calls are not served: use tool_calls"
             if message.get("audio") is not None:
                 return f"messages[{i}].audio", "audio is not served: specrt reads and answers text"
             if isinstance(message.get("content"), list):

@@ -56,7 +56,7 @@ class Job:
     def key(self):
         """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
         ignores top-k, top-p and min-p). A seeded request runs in a batch of its own, so that its seed reproduces it.
-        Penalties, logit_bias and logprobs are each row's own."""
+        Penalties, logit_bias, logprobs and grammars are each row's own."""
         o = self.options
         sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o.get("min_p", 0.0),
                                                          o["acceptance"])
@@ -260,7 +260,8 @@ class Scheduler:
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
-                            copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"))
+                            copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"),
+                            grammar=o.get("grammar"))
             self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)

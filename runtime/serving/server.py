@@ -16,6 +16,7 @@ end with an error.
 from __future__ import annotations
 
 import copy
+import json
 import hmac
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException
 from specrt.errors import InputError, SpecrtError
 from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
-from specrt.serving.completions import Server
+from specrt.serving.completions import Server, tool_use
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
                                      invalid)
@@ -164,7 +165,8 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         if isinstance(req.prompt, str):
             server.check_chars(len(req.prompt), "prompt")
         ids = await server.call(server.completion_ids, req.prompt)
-        return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens), chat=False)
+        grammar = await server.call(server.grammar, req)
+        return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens, grammar), chat=False)
 
     @app.post("/v1/chat/completions", responses=ANSWERS)
     async def chat_completions(req: ChatRequest):
@@ -172,9 +174,13 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         server.check_chars(sum(len(m.role) + (len(m.content) if isinstance(m.content, str) else
                                               sum(len(p.text) for p in m.content or [])) for m in req.messages),
                            "messages")
-        ids = await server.call(server.chat_ids, req.messages)
-        return await server.answer(req, ids, server.options(req, ids, "messages",
-                                                            req.max_completion_tokens or req.max_tokens), chat=True)
+        tools = tool_use(req)
+        if tools is not None:
+            server.check_chars(len(json.dumps(tools.shown)), "tools")
+        ids = await server.call(server.chat_ids, req.messages, tools and tools.shown)
+        grammar = await server.call(server.grammar, req, tools)
+        options = server.options(req, ids, "messages", req.max_completion_tokens or req.max_tokens, grammar)
+        return await server.answer(req, ids, options, chat=True, tools=tools)
 
     return app
 
