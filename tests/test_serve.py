@@ -820,9 +820,16 @@ def test_fuzzed_requests_get_documented_answers(limited):
     from schemathesis.generation import GenerationMode
     from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                    status_code_conformance)
+    def not_a_server_error_but_the_time_limit(ctx, response, case):
+        """The time limit's 503 (code "timeout") is this server's documented answer to a long valid prompt (a chat
+        with tool calls, say) whose 8-token prefill passes outlast 3 s on a busy machine; any other 5xx fails."""
+        if response.status_code == 503 and response.json()["error"]["code"] == "timeout":
+            return None
+        return not_a_server_error(ctx, response, case)
+
     key = {"Authorization": f"Bearer {KEY}"}
     schema = schemathesis.openapi.from_url(limited + "/openapi.json", headers=key)
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    checks = [not_a_server_error_but_the_time_limit, status_code_conformance, content_type_conformance, response_schema_conformance]
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {"GET /health", "GET /metrics", "GET /v1/models",
                                                "POST /v1/completions", "POST /v1/chat/completions"}
