@@ -11,10 +11,17 @@ where its blocks map exactly:
   Q4_1  w = d*q + m          -> 4 bits, zero point 0, plus the block sums of the input times m (float32)
   Q4_K  w = d*s_j*q - dmin*m_j in each block j of 32 of a 256-block: Q4_1's form, with the block's scale d*s_j
                                 and offset -dmin*m_j (both exact in float32: an f16 times a 6-bit integer)
+  Q5_0  w = d*(q - 16)       -> 8 bits, zero point 16 (5-bit values in 8-bit blocks: exact, at 8 bits' cost)
+  Q5_1  w = d*q + m          -> 8 bits, zero point 0, plus the block sums times m
+  Q5_K  Q4_K's form, 5 bits  -> 8 bits, zero point 0, plus the block sums times -dmin*m_j
+  Q6_K  w = d*s_j*(q - 32) in blocks of 16 -> 8 bits, blocks of 16, zero point 32 (an f16 times an int8: exact)
 MatMulNBits takes float zero points too, which would map Q4_1 as zp = -m/d, but ONNX Runtime's CPU kernel then
 dequantizes the whole weight on every call (10x slower than float32 here); the block-sum term is exact and is how
-llama.cpp computes Q4_1 itself. Anything else (Q5_0, Q5_K, Q6_K, F16, ...) gets the standard block quantizer
-(MatMulNBitsQuantizer), and the manifest records its error against the file's own dequantized weights, per type.
+llama.cpp computes Q4_1 itself. Anything else (F16, BF16, F32, Q2_K, Q3_K, the IQ types) gets the standard block
+quantizer (MatMulNBitsQuantizer), and the manifest records its error against the file's own dequantized weights, per
+type. Gemma 3 270M's Q4_K_M file, whose layers are mostly Q5_0, agreed with its float32 target on 11 of 256 greedy
+tokens before the first difference with Q5_0 and Q6_K requantized to 4 bits (relative RMS error 8.8%), on 94 with
+them kept as 8-bit blocks (docs/gguf.md).
 """
 from __future__ import annotations
 
@@ -162,10 +169,10 @@ def _weight(model, node) -> np.ndarray | None:
 
 
 def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> tuple[Counter, set[str]]:
-    """Rewrite, in place, the MatMuls and the embedding Gather of `model` whose GGUF tensor is Q4_0, Q4_1, Q4_K
-    or Q8_0 to carry the file's blocks; each is checked against the graph's float32 weight (what transformers'
-    GGUF loader dequantized) first. A tied embedding and LM head share one copy of the blocks. Returns the
-    count per GGUF type and the names of the MatMuls added (the Q4_1/Q4_K offsets, float32)."""
+    """Rewrite, in place, the MatMuls of `model` whose GGUF tensor is of a type in KINDS, and its embedding Gather
+    where that is Q8_0, to carry the file's blocks; each is checked against the graph's float32 weight (what
+    transformers' GGUF loader dequantized) first. A tied embedding and LM head share one copy of the blocks.
+    Returns the count per GGUF type and the names of the MatMuls added (the block offsets' terms, float32)."""
     graph = model.graph
     path = tensors.header.path
     axes = numpy_helper.from_array(np.array([-1], np.int64), "gguf_axes")
@@ -176,21 +183,22 @@ def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> 
         if w is None or t.tensor_type.name not in KINDS or (node.op_type == "Gather" and t.tensor_type.name != "Q8_0"):
             new_nodes.append(node)
             continue
-        kind = t.tensor_type.name
+        kind, bits = t.tensor_type.name, BITS[t.tensor_type.name]
         p = t.name if part is None else f"{t.name}.rows{part.start}"      # a fused tensor's part: its own blocks
         b, scales, zp, m = KINDS[kind](tensors.rows(t, part))  # (N, n_blocks, bytes), (N, n_blocks) x2, offsets
         N, n_blocks = scales.shape
+        block = b.shape[-1] * 8 // bits
         expected = w if node.op_type == "Gather" else w.T                  # (N, K)
-        if expected.shape != (N, n_blocks * BLOCK):
-            raise BackendError(f"{path}: {p} is [{N}, {n_blocks * BLOCK}], the graph's {node.name} weight is "
+        if expected.shape != (N, n_blocks * block):
+            raise BackendError(f"{path}: {p} is [{N}, {n_blocks * block}], the graph's {node.name} weight is "
                                f"{list(expected.shape)}: re-export the target")
         if not _blocks_equal(b, scales, zp, m, kind, expected):
             raise BackendError(f"{path}: {p} does not match the graph's {node.name} weight: the engine directory "
                                "was exported from another file; re-run `specrt export`")
-        if p not in done:
+        if p not in done:   # scales and zero points (N, n_blocks) as the standard quantizer's (fuse stacks them)
             done.add(p)
             new_inits += [numpy_helper.from_array(b, f"{p}_B"), numpy_helper.from_array(scales, f"{p}_scales")]
-            if kind != "Q8_0":   # 8 bits: the default zero point, 128
+            if zp is not None:   # none: the default zero point (8 bits: 128)
                 new_inits.append(numpy_helper.from_array(zp, f"{p}_zero_points"))
             if m is not None:
                 new_inits.append(numpy_helper.from_array(np.ascontiguousarray(m.T), f"{p}_offsets"))  # (nb, N)
@@ -198,25 +206,24 @@ def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> 
         x, y = node.input[0], node.output[0]
         if node.op_type == "Gather":   # rows of blocks: (V, n_blocks, 32) gathered, then (B, S, d)
             new_inits += [numpy_helper.from_array(scales[..., None], f"{p}_row_scales"),
-                          numpy_helper.from_array(np.array([0, 0, n_blocks * BLOCK], np.int64), f"{p}_row_shape")]
+                          numpy_helper.from_array(np.array([0, 0, n_blocks * block], np.int64), f"{p}_row_shape")]
             new_nodes += _block_gather(node, f"{p}_B", f"{p}_row_scales", f"{p}_row_shape")
             continue
-        inputs = [x, f"{p}_B", f"{p}_scales"] + ([f"{p}_zero_points"] if kind != "Q8_0" else [])
+        inputs = [x, f"{p}_B", f"{p}_scales"] + ([f"{p}_zero_points"] if zp is not None else [])
         out = f"{y}_nbits" if m is not None else y
-        bits = 8 if kind == "Q8_0" else 4
         new_nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=node.name, domain=MS,
-                                          K=n_blocks * BLOCK, N=N, bits=bits, block_size=BLOCK,
+                                          K=n_blocks * block, N=N, bits=bits, block_size=block,
                                           accuracy_level=ACCURACY_LEVEL[bits]))
         if m is not None:              # y += block_sums(x) @ m.T: the blocks' offsets, exactly
-            if x not in block_sums:
-                block_sums[x] = f"{x}_block_sums"
-                shape = numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{x}_block_shape")
+            if (x, block) not in block_sums:
+                sums = block_sums[x, block] = f"{x}_block_sums{block}"
+                shape = numpy_helper.from_array(np.array([0, 0, n_blocks, block], np.int64), f"{sums}_shape")
                 new_inits.append(shape)
-                new_nodes += [helper.make_node("Reshape", [x, shape.name], [f"{x}_blocks"]),  # (B, S, nb, 32)
-                              helper.make_node("ReduceSum", [f"{x}_blocks", axes.name], [block_sums[x]],
-                                               keepdims=0)]                                   # (B, S, nb)
+                new_nodes += [helper.make_node("Reshape", [x, shape.name], [f"{sums}_blocks"]),  # (B, S, nb, 32)
+                              helper.make_node("ReduceSum", [f"{sums}_blocks", axes.name], [sums],
+                                               keepdims=0)]                                      # (B, S, nb)
             added.add(f"{node.name}_offsets")
-            new_nodes += [helper.make_node("MatMul", [block_sums[x], f"{p}_offsets"], [f"{y}_offsets"],
+            new_nodes += [helper.make_node("MatMul", [block_sums[x, block], f"{p}_offsets"], [f"{y}_offsets"],
                                            name=f"{node.name}_offsets"),                    # (B, S, N)
                           helper.make_node("Add", [out, f"{y}_offsets"], [y])]
     graph.initializer.extend(new_inits)
@@ -370,7 +377,50 @@ def _q8_0(rows):
     return np.ascontiguousarray(qs ^ 0x80), _f16(d), None, None
 
 
-KINDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0}   # rows -> (B, scales, zero points, offsets)
+def _q5(rows, offset: bool):
+    """Q5_0 (d, 32 high bits, 16 bytes of nibbles: w = d*(q - 16)) and Q5_1 (d, m, ...: w = d*q + m), blocks of
+    32 -> 8-bit blocks of q, zero point 16 (Q5_0) or 0 plus the offsets m (Q5_1)."""
+    N, n = rows.shape[:2]
+    start = 4 if offset else 2
+    qh = np.ascontiguousarray(rows[..., start:start + 4]).view(np.uint32)          # (N, n, 1)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)           # (N, n, 32)
+    q = np.concatenate([rows[..., start + 4:] & 0x0F, rows[..., start + 4:] >> 4], axis=-1) | (high << 4)
+    zp = np.full((N, n), 0 if offset else 16, np.uint8)
+    return np.ascontiguousarray(q), _f16(rows[..., 0:2]), zp, _f16(rows[..., 2:4]) if offset else None
+
+
+def _q5_k(rows):
+    """Q5_K: Q4_K's scales and minimums with a fifth bit (32 bytes of high bits) -> 8-bit blocks of 32."""
+    import gguf
+    N, n = rows.shape[:2]
+    d, dmin = _f16(rows[..., 0:2]), _f16(rows[..., 2:4])
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(rows[..., 4:16]).reshape(-1, 12))
+    qh = rows[..., 16:48].reshape(N, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    ql = rows[..., 48:].reshape(N, n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (ql & 0x0F).reshape(N, n * 8, 32) | ((qh & 1).reshape(N, n * 8, 32) << 4)
+    scales = (d[..., None] * sc.reshape(N, n, 8).astype(np.float32)).reshape(N, n * 8)
+    offsets = -(dmin[..., None] * mn.reshape(N, n, 8).astype(np.float32)).reshape(N, n * 8)
+    return np.ascontiguousarray(q), scales, np.zeros((N, n * 8), np.uint8), offsets
+
+
+def _q6_k(rows):
+    """Q6_K super-blocks of 256 (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d): w =
+    d*s_j*(q - 32) in 16 blocks of 16 -> 8-bit blocks of 16, scale d*s_j (exact: an f16 times an int8), zero
+    point 32."""
+    N, n = rows.shape[:2]
+    ql = rows[..., :128].reshape(N, n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = rows[..., 128:192].reshape(N, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(N, n, 8, 32) | ((qh & 3).reshape(N, n, 8, 32) << 4)
+    sc = np.ascontiguousarray(rows[..., 192:208]).view(np.int8).astype(np.float32)  # (N, n, 16)
+    scales = (_f16(rows[..., 208:210])[..., None] * sc).reshape(N, n * 16)
+    return np.ascontiguousarray(q.reshape(N, n * 16, 16)), scales, np.full((N, n * 16), 32, np.uint8), None
+
+
+# rows -> (B, scales, zero points or None, offsets or None), and the bits of B; the 8-bit kinds other than Q8_0 are
+# the 5- and 6-bit ones, whose values fit 8-bit blocks exactly
+KINDS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q5_0": lambda r: _q5(r, False),
+         "Q5_1": lambda r: _q5(r, True), "Q5_K": _q5_k, "Q6_K": _q6_k}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8}
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -385,17 +435,20 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def b_values(b: np.ndarray, kind: str) -> np.ndarray:
-    """The quantized values q of a MatMulNBits B input, (N, n_blocks, 32), as float32."""
-    if kind == "Q8_0":
+    """The quantized values q of a MatMulNBits B input, (N, n_blocks, block), as float32."""
+    if BITS[kind] == 8:
         return b.astype(np.float32)
     q = np.stack([b & 0x0F, b >> 4], axis=-1)                              # (N, n_blocks, 16, 2)
     return q.reshape(*b.shape[:-1], -1).astype(np.float32)
 
 
-def zp_values(zp: np.ndarray, kind: str, n_blocks: int) -> np.ndarray:
-    """The zero point of each block, (N, n_blocks), as float32 (4 bits: two blocks a byte, low nibble first)."""
-    if kind == "Q8_0":
+def zp_values(zp: np.ndarray | None, kind: str, n_blocks: int) -> np.ndarray:
+    """The zero point of each block, (N, n_blocks), as float32 (4 bits: two blocks a byte, low nibble first; 8 bits:
+    one a byte; none: the default, 128, as (1, n_blocks))."""
+    if zp is None:
         return np.full((1, n_blocks), 128, np.float32)
+    if BITS[kind] == 8:
+        return zp.astype(np.float32)
     z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)
     return z[:, :n_blocks].astype(np.float32)
 

@@ -98,8 +98,9 @@ def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, forc
 @click.option("--target-weights", type=click.Choice(["float32", "int8", "int4"]), default="float32",
               show_default=True,
               help="Weights of the target's ONNX Runtime CPU engine. int4: 4-bit blocks of 32 (a GGUF source keeps "
-                   "its own Q4_0/Q4_1/Q4_K/Q8_0 blocks and reports the error of what it requantizes), about 2x "
-                   "faster per step than float32 on a CPU; int8: 8-bit blocks. Both compute with int8 activations "
+                   "its own blocks: 4-bit types as 4-bit blocks, 5-, 6- and 8-bit ones as 8-bit blocks; it "
+                   "requantizes the rest and reports their error), about 2x faster per step than float32 on a CPU; "
+                   "int8: 8-bit blocks. Both compute with int8 activations "
                    "per token and block. Speculation stays lossless with respect to the engine built (the output is "
                    "the quantized target's own); tree methods verify chains there.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,

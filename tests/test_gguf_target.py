@@ -1,14 +1,15 @@
 """A GGUF file as the target (`specrt export --target FILE.gguf`): for a tiny model of every registered architecture,
-a file written here with the `gguf` package holding every tensor type the issue lists (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
-Q5_K, Q6_K, F16, BF16, F32), exported and built, gives the logits of transformers' own reading of the file
-(`from_pretrained(dir, gguf_file=...)`) within 1e-4 and its greedy output; its int4 build keeps the file's Q4_0, Q4_1,
-Q4_K and Q8_0 blocks exactly (through ONNX Runtime's own kernel) and reports the error of what it requantizes. A file
-of an architecture or a tensor type that specrt does not export is refused by name before anything is converted or
-written.
+a file written here with the `gguf` package holding the tensor types the issue lists and more (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32, dealt in turn over its weights), exported and built, gives the logits
+of transformers' own reading of the file (`from_pretrained(dir, gguf_file=...)`) within 1e-4 and its greedy output;
+its int4 build keeps the file's quantized blocks exactly (4-bit types as 4-bit blocks, 5-, 6- and 8-bit ones as 8-bit
+blocks; checked through ONNX Runtime's own kernel) and reports the error of what it requantizes (the float types). A
+file of an architecture or a tensor type that specrt does not export is refused by name before anything is converted
+or written.
 
-The gguf package quantizes Q4_0, Q4_1, Q5_0 and Q8_0 (and writes F16, BF16, F32) but not the K-quants: their blocks
-are written here as random bytes with the scale fields set, which is a well-formed file all the same (the model is
-whatever those blocks dequantize to, the same for transformers and specrt)."""
+The gguf package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (and writes F16, BF16, F32) but not the K-quants: their
+blocks are written here as random bytes with the scale fields set, which is a well-formed file all the same (the
+model is whatever those blocks dequantize to, the same for transformers and specrt)."""
 from __future__ import annotations
 
 import json
@@ -35,8 +36,8 @@ H, I, HEADS, KV_HEADS, D, LAYERS, VOCAB, CONTEXT = 256, 256, 4, 2, 64, 2, 128, 9
 HEAD_DIM = {"qwen3": 128}   # transformers' GGUF loader reads no Qwen3 head size: its config's default, 128
 # transformers' GGUF loader reads no Gemma 3 layer pattern: its config's, every sixth layer global (as in Gemma 3)
 BLOCKS = {"gemma3": 6}
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
-OWN_BLOCKS = {"Q4_0", "Q4_1", "Q4_K", "Q8_0"}   # what an int4 build keeps exactly (specrt.export.quantize)
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+OWN_BLOCKS = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}   # kept exactly (export/quantize.py)
 # registered architecture -> (general.architecture, general.name): llama.cpp writes Mistral models as llama files,
 # which transformers reads as llama models (but for a file named exactly "mistral": see test_refused_by_name)
 GGUF_ARCH = {"llama": ("llama", "tiny"), "mistral": ("llama", "Mistral 7B Tiny"), "qwen2": ("qwen2", "tiny"),
@@ -284,7 +285,7 @@ def _nbits_weight(model, node, base) -> np.ndarray:
 
 
 def test_int4_keeps_the_files_blocks(gguf_set, tmp_path):
-    """The int4 target of a GGUF file: each weight stored as Q4_0, Q4_1, Q4_K or Q8_0 is the file's own blocks,
+    """The int4 target of a GGUF file: each weight stored in a quantized type is the file's own blocks,
     equal through ONNX Runtime's kernel to what transformers dequantized (a fused Phi-3 projection's rows, a tied
     Gemma head included); every other type is requantized and the manifest gives its error per type."""
     import onnx
