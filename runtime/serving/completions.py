@@ -328,8 +328,8 @@ class Server:
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or req.specrt.top_k, seed=req.seed,
                     min_p=req.min_p or 0.0, method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
                     adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, logprobs=self.logprobs(req),
-                    penalties=self.penalties(req), grammar=grammar, stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [],
-                                                                                           "stop_token_ids")))
+                    penalties=self.penalties(req), grammar=grammar,
+                    stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [], "stop_token_ids")))
 
     def logprobs(self, req: BaseRequest) -> int | None:
         """How many alternatives each token's logprobs carry (None: no logprobs): the chat's top_logprobs when

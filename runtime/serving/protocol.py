@@ -1,7 +1,7 @@
 """The OpenAI API's schema as specrt serves it: the request models (OpenAI's fields that specrt serves, those it
-accepts with no effect, vLLM's extensions, its own `specrt` field), the fields it refuses by name (`refused`: a field served
-moves from REFUSED into its model), structured output's response_format and the guided_regex / guided_grammar
-extensions, tools and tool_choice, and the errors, OpenAI's error objects."""
+accepts with no effect, vLLM's extensions, its own `specrt` field; structured output's response_format and vLLM's
+guided_regex / guided_grammar; tools and tool_choice), the fields it refuses by name (`refused`: a field served moves
+from REFUSED into its model), and the errors, OpenAI's error objects."""
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
