@@ -78,3 +78,4 @@ def test_the_figures_come_from_the_runs(default_generator):
     rate = summary["greedy"]["ngram"]["rate"]
     greedy = [r for r in runs if r["method"] == "ngram" and r["arm"] == "grammar" and r["temperature"] == 0]
     assert rate["tokens"] == sum(r["tokens"] for r in greedy) and rate["runs"] == 2
+    assert summary["greedy"]["ngram"]["forced"] == sum(r["forced"] for r in greedy)

@@ -286,7 +286,7 @@ def summarize(runs: list[dict]) -> dict:
     out = {"greedy": {}, "identical": {}, "speed": {}, "sampled": {}, "agreement": {}}
     for m in methods:
         mine = [r for r in greedy if r["method"] == m]
-        out["greedy"][m] = {**_validity(mine), "rate": _rate(mine)}
+        out["greedy"][m] = {**_validity(mine), "rate": _rate(mine), "forced": sum(r["forced"] for r in mine)}
         same = [r["schema"] for r in mine if r["schema"] in ar and r["token_ids"] == ar[r["schema"]]]
         out["identical"][m] = {"compared": sum(r["schema"] in ar for r in mine), "identical": len(same),
                                "differ": sorted(r["schema"] for r in mine if r["schema"] in ar
@@ -316,15 +316,16 @@ def tables(summary: dict) -> str:
     """The summary as Markdown tables."""
     lines = ["Greedy, with the grammar: answers that parse and validate; identical to constrained autoregressive", "",
              "| method | answers | finished (eos) | ran to max_new_tokens | parse | validate | identical to AR | "
-             "tokens/round | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "tokens/round | decode tok/s | forced tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m, v in summary["greedy"].items():
         same, rate = summary["identical"][m], v["rate"]
         lines.append(f"| {m} | {v['answers']} | {v['finished']} | {v['ran_long']} | {v['parse']} | {v['valid']} | "
                      f"{same['identical']}/{same['compared']} | {rate['tokens_per_round']:.2f} | "
-                     f"{rate['decode_tokens_per_s']:.1f} |")
+                     f"{rate['decode_tokens_per_s']:.1f} | {v['forced']} "
+                     f"({v['forced'] / max(1, rate['tokens']):.0%}) |")
     if summary["sampled"]:
-        lines += ["", "Sampled, with the grammar", "", "| method | T | answers | finished | ran long | parse | validate |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Sampled, with the grammar", "",
+                  "| method | T | answers | finished | ran long | parse | validate |", "|---|---|---|---|---|---|---|"]
         for m, v in summary["sampled"].items():
             lines.append(f"| {m} | {v['temperature']} | {v['answers']} | {v['finished']} | {v['ran_long']} | "
                          f"{v['parse']} | {v['valid']} |")
