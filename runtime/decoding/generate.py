@@ -559,14 +559,6 @@ class Generator:
                 for i in (i for i, inside in enumerate(ok) if inside):
                     processors.mask(logits[b, i], masks[i])
         return logits
-        logits = logits.clone() if isinstance(logits, torch.Tensor) else logits.copy()
-        tokens = tokens if tokens is not None else ids.tolist()
-        parent = tree.parent if tree is not None else None
-        for b in rows:
-            row = run.rows[b]
-            for i, path in enumerate(processors.node_paths(tokens[b], parent)):
-                processors.apply(logits[b, i], row.penalties, row.context, path)
-        return logits
 
     @staticmethod
     def _logprobs(run: _Run, logits, rows: list[list[int]], paths: list[list[int]] | None) -> None:
