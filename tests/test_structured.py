@@ -93,3 +93,24 @@ def test_a_grammar_that_does_not_compile_is_named(default_generator):
         default_generator.generate("hi", max_new_tokens=4, grammar=("json_schema", {"type": "objekt"}))
     with pytest.raises(InputError, match="regex"):
         default_generator.generate("hi", max_new_tokens=4, grammar=("regex", "(unclosed"))
+
+
+@pytest.mark.slow
+def test_forced_tokens_ride_in_the_rounds_passes(default_generator, monkeypatch):
+    """What the grammar forces (a schema's keys, its punctuation) is taken in the pass of the round before it:
+    autoregressive decoding under a schema takes fewer passes than tokens, with the same output as one pass a
+    token; a drafted chain carries forced tokens as certain drafts."""
+    from specrt.decoding.batch import Batch
+    gen = default_generator
+    prompt = CASES[0][0]
+    fast = gen.generate(prompt, max_new_tokens=64, method="autoregressive", grammar=("json_schema", PERSON))
+    assert fast.stats["forced_tokens"] > 0 and fast.stats["rounds"] < len(fast.token_ids[0]) - 1
+    drafted = gen.generate(prompt, max_new_tokens=64, method="ngram", grammar=("json_schema", PERSON))
+    monkeypatch.setattr(Batch, "_forced", lambda self: None)
+    monkeypatch.setattr(Batch, "_steer", lambda self, proposal, g: proposal)
+    slow = gen.generate(prompt, max_new_tokens=64, method="autoregressive", grammar=("json_schema", PERSON))
+    assert slow.stats["rounds"] == len(slow.token_ids[0]) - 1 and slow.stats["forced_tokens"] == 0
+    assert fast.token_ids == slow.token_ids == drafted.token_ids
+    plain = gen.generate(prompt, max_new_tokens=64, method="ngram", grammar=("json_schema", PERSON))
+    assert plain.token_ids == drafted.token_ids
+    assert drafted.stats["rounds"] < plain.stats["rounds"]

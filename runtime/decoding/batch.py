@@ -6,11 +6,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import StepOutput
-from specrt.decoding.drafters import _arange, chain_mask
+from specrt.decoding.drafters import Proposal, _arange, chain_mask
 from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
 from specrt.decoding import processors
@@ -325,10 +326,16 @@ class Batch:
             g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
         proposal = self._propose(g) if drafter and g else None
+        constrained = any(row.matcher is not None for row in run.rows)
+        if constrained and proposal is not None and proposal.tree is None:
+            proposal = self._steer(proposal, g)
+        forced = None
+        if proposal is None and constrained and getattr(drafter, "name", None) in (None, "ngram"):
+            forced = self._forced()   # a plain round takes what the grammars force in its one pass
         if proposal is None:
-            g, proposal = 0, run.inputs(run.batch, 1).empty
+            g, proposal = 0, forced or run.inputs(run.batch, 1).empty
         taking_part = [row for row, a in zip(run.rows, active) if a]
-        accepted, proposed = gen._account(run, gen._verify(run, proposal))
+        accepted, proposed = gen._account(run, gen._verify(run, proposal), drafted=forced is None)
         if drafter is not None:
             drafter.observe(run)
         run.rounds += 1
@@ -340,6 +347,57 @@ class Batch:
             self.policy.update(accepted, proposed)
         if self.trees and timed:
             self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+
+    def _forced(self) -> Proposal | None:
+        """What the live rows' grammars force (the only token each allows, one after another), as a chain of
+        deterministic drafts: their masked P is one-hot, so they are accepted with certainty, and the plain round's
+        one pass takes them all with the token after them. None where no grammar forces a token."""
+        run = self.run
+        cap = self.gen._fit_gamma(run, MAX_GAMMA)
+        chains = [row.matcher.forced()[:cap] if row.matcher is not None and a and cap else []
+                  for row, a in zip(run.rows, run.active.tolist())]
+        k = max(map(len, chains))
+        if not k:
+            return None
+        tokens, valid = np.zeros((run.batch, k), np.int64), np.zeros((run.batch, k), bool)
+        for b, chain in enumerate(chains):
+            tokens[b, :len(chain)], valid[b, :len(chain)] = chain, True
+        return Proposal(torch.from_numpy(tokens).to(run.device), None, torch.from_numpy(valid).to(run.device))
+
+    def _steer(self, proposal: Proposal, g: int) -> Proposal:
+        """A drafted chain along each constrained row's grammar: where the grammar forces a token, the draft is
+        that token (drawn deterministically given the path before it: Q = δ, accepted with certainty), and a
+        deterministic chain goes on with forced tokens past its own drafts, up to the round's γ = g; it stops
+        at the first draft the grammar refuses (it could not be accepted). A sampled draft the grammar refuses
+        stays: its Q is what it was drawn from, and the rule rejects it exactly."""
+        run = self.run
+        tokens, valid = proposal.tokens.cpu().numpy().copy(), proposal.valid.cpu().numpy().copy()   # (B, γ)
+        q = proposal.q.clone() if proposal.q is not None else None                                 # (B, γ, V)
+        if q is None and tokens.shape[1] < g:   # a lookup that found less than γ: room for forced tokens
+            pad = ((0, 0), (0, g - tokens.shape[1]))
+            tokens, valid = np.pad(tokens, pad), np.pad(valid, pad)
+        for b, row in enumerate(run.rows):
+            m = row.matcher
+            if m is None or not run.active[b]:
+                continue
+            taken, width = 0, int(valid[b].sum())
+            for i in range(width if q is not None else tokens.shape[1]):
+                allowed = m.allowed()
+                if np.count_nonzero(allowed) == 1:
+                    tokens[b, i], valid[b, i] = int(allowed.argmax()), True
+                    if q is not None:
+                        q[b, i] = 0.0
+                        q[b, i, tokens[b, i]] = 1.0
+                elif i >= width or not allowed[tokens[b, i]]:
+                    if q is None:
+                        valid[b, i:] = False
+                    break
+                if m.advance([int(tokens[b, i])]) != 1:   # (allowed, so not expected)
+                    break
+                taken += 1
+            m.rollback(taken)
+        dev = proposal.tokens.device
+        return Proposal(torch.from_numpy(tokens).to(dev), q, torch.from_numpy(valid).to(dev))
 
     def _propose(self, g: int):
         """The drafter's proposal, or None if drafting failed: the round is then a plain step for every row, whose
@@ -404,6 +462,7 @@ class Batch:
                 self.policy.chosen[-1] if self.policy and self.policy.chosen else None),
             "batch_rounds": self.batch_rounds(),
             "draft_failures": self.draft_failures,   # rounds a failed drafting made plain steps (logged)
+            "forced_tokens": run.forced,             # taken as the grammars forced them, not as drafts
             "prompt_tokens": self.prompt_tokens,     # the prompts prefilled, and their positions that came from
             "prefix_cache_tokens": self.cached_tokens,   # the prefix cache (copied, not computed)
         }

@@ -573,10 +573,11 @@ class Generator:
             run.round_logprobs[b] = token_logprobs(logits[b, nodes], drafts[:n] + [nxt], run.params,
                                                    row.logprobs_top)
 
-    def _account(self, run: _Run, host: list[list[int]], first: int = 0) -> tuple[int, int]:
+    def _account(self, run: _Run, host: list[list[int]], first: int = 0, drafted: bool = True) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
         the proposal width, then the path's tokens (root first). Writes the mirrors (on the CPU, the device
-        tensors themselves), the stop reasons and the acceptance counts. Plain Python over the rows: for the
+        tensors themselves), the stop reasons and the acceptance counts (`drafted=False`: the proposal was what
+        the rows' grammars force, counted as forced tokens, not as drafts). Plain Python over the rows: for the
         few rows of a batch it costs a fraction of numpy's per-call overhead."""
         accepted = proposed = 0
         active, lengths, tokens = run.active.tolist(), run.host_lengths.tolist(), run.host_tokens
@@ -584,19 +585,11 @@ class Generator:
             if not active[b]:
                 continue
             row = run.rows[b]
-            accepted, proposed = accepted + n, proposed + width
-            row.accepted, row.proposed = row.accepted + n, row.proposed + width
-            if width:
-                row.drafts += 1
-                per = row.accepted_per_position
-                per += [0] * (n - len(per))
-                for i in range(n):
-                    per[i] += 1
-            for i in range(width):
-                while len(run.per_position) <= i:
-                    run.per_position.append([0, 0])
-                run.per_position[i][0] += i < n
-                run.per_position[i][1] += 1
+            if drafted:
+                self._count_drafts(run, row, n, width)
+                accepted, proposed = accepted + n, proposed + width
+            else:
+                run.forced += n
             length = lengths[b]
             new = (path[:n] + [nxt])[:min(row.max_new + row.prompt_len, run.max_len) - length]
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
@@ -623,6 +616,22 @@ class Generator:
         run.proposed += proposed
         run.round_logprobs = {}
         return accepted, proposed
+
+    @staticmethod
+    def _count_drafts(run: _Run, row, n: int, width: int) -> None:
+        """A row's round in the acceptance counts: n of its `width` drafts accepted."""
+        row.accepted, row.proposed = row.accepted + n, row.proposed + width
+        if width:
+            row.drafts += 1
+            per = row.accepted_per_position
+            per += [0] * (n - len(per))
+            for i in range(n):
+                per[i] += 1
+        for i in range(width):
+            while len(run.per_position) <= i:
+                run.per_position.append([0, 0])
+            run.per_position[i][0] += i < n
+            run.per_position[i][1] += 1
 
     # ---- costs --------------------------------------------------------------------------------------------
     def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1, draft: bool = True) -> Costs:
