@@ -1,11 +1,13 @@
 """`specrt train`: a drafter of every kind for a tiny Qwen2 target with its own tokenizer and chat template, trained
-end to end on the CPU in a few steps, exported, built and run losslessly; reruns resume; bad input writes nothing;
-the Makefile's SmolLM2 recipes are thin calls of it with the shipped drafters' settings."""
+end to end on the CPU in a few steps (enough to learn it: held out, each agrees with the target far more often than
+untrained), exported, built and run losslessly; reruns resume; bad input writes nothing; the Makefile's SmolLM2
+recipes are thin calls of it with the shipped drafters' settings."""
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import shutil
 import subprocess
 
 import pytest
@@ -20,6 +22,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 DATA = ["--data-batch", "8", "--data-calls", "2", "--max-new-tokens", "12", "--num-template", "8"]
+# 64 rows: 5 of their prompts (1 in 16, by name) are held out, 60 answer tokens to measure the drafters on
+LEARN_DATA = ["--data-batch", "32", "--data-calls", "2", "--max-new-tokens", "12", "--num-template", "8"]
 
 
 def tiny_tokenizer(vocab: int):
@@ -46,16 +50,23 @@ def train(*args) -> str:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """A tiny Qwen2 checkpoint directory (untied embeddings, q/k/v biases) with its tokenizer; its model."""
+    """A tiny Qwen2 checkpoint directory (untied embeddings, q/k/v biases) with its tokenizer; its model. Its
+    embeddings are scaled up (x50) over what its layers add, so that its next token hangs mostly on the last one
+    (the layers still bring in the context): a pattern that drafters learn in a few steps, where a tiny random
+    model's next token would take thousands."""
     path = tmp_path_factory.mktemp("train") / "qwen2"
     tok = tiny_tokenizer(384)
     model = tiny_model("qwen2", seed=4, vocab=len(tok), init=0.3, eos=tok.convert_tokens_to_ids("<|im_end|>"))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path, model
 
 
 def test_every_kind_trains_exports_and_keeps_the_target_output(target):
+    """Each kind learns the target: its held-out agreement with the target's greedy tokens rises well above the
+    untrained drafter's (the same command at --lr 0) and its loss falls; then export, build and lossless runs."""
     from specrt import Generator
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
@@ -63,34 +74,35 @@ def test_every_kind_trains_exports_and_keeps_the_target_output(target):
 
     path, model = target
     tmp = path.parent
+    eagle = ["--batch-tokens", 512, "--lr", 1e-2, "--warmup", 1, "--eval-every", 5, "--save-every", 5]
     # EAGLE makes its own data (in OUT.work/data), then the draft and the heads train on that data
-    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 2, "--batch-tokens", 512, "--eval-every", 1,
-          "--save-every", 1, *DATA)
+    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 10, *eagle, *LEARN_DATA)
     data = tmp / "eagle.work" / "data"
     rows = load_rows(str(data / "data.jsonl"))
-    assert len(rows) == 16 and all(r["mode"] == "greedy" for r in rows)   # 2 calls of 8 greedy answers
+    assert len(rows) == 64 and all(r["mode"] == "greedy" for r in rows)   # 2 calls of 32 greedy answers
     for r in rows:   # the prompt through the target's chat template, then its answer
         assert tokenizer_text(path, r["ids"][:r["prompt_len"]]).endswith("<|im_end|>\n<|im_start|>assistant\n")
         assert r["prompt_len"] < len(r["ids"]) <= r["prompt_len"] + 12
     record = json.loads((tmp / "eagle" / "training.json").read_text())
-    assert (record["steps_done"], record["sessions"]) == (2, [[0, 2]])
+    assert (record["steps_done"], record["sessions"]) == (10, [[0, 10]])
 
     # a rerun resumes: with a larger --steps it trains on from the checkpoint (no new data), else it does nothing
-    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 4, "--batch-tokens", 512, "--eval-every", 1,
-          "--save-every", 1, *DATA)
-    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 4, "--batch-tokens", 512, "--eval-every", 1,
-          "--save-every", 1, *DATA)
+    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 20, *eagle, *LEARN_DATA)
+    train("eagle", "--target", path, "--out", tmp / "eagle", "--steps", 20, *eagle, *LEARN_DATA)
     record = json.loads((tmp / "eagle" / "training.json").read_text())
-    assert (record["steps_done"], record["sessions"]) == (4, [[0, 2], [2, 4], [4, 4]])
+    assert (record["steps_done"], record["sessions"]) == (20, [[0, 10], [10, 20], [20, 20]])
     assert load_rows(str(data / "data.jsonl")) == rows
 
-    train("draft", "--target", path, "--data", data, "--out", tmp / "draft", "--steps", 2, "--batch-tokens", 512)
-    train("medusa", "--target", path, "--data", data, "--out", tmp / "medusa", "--heads", 2)
+    train("draft", "--target", path, "--data", data, "--out", tmp / "draft", "--steps", 20, "--batch-tokens", 512,
+          "--lr", 2e-2, "--warmup", 1, "--eval-every", 5)
+    train("medusa", "--target", path, "--data", data, "--out", tmp / "medusa", "--heads", 2, "--epochs", 10,
+          "--lr", 2e-2)
     for kind in ("eagle", "draft", "medusa"):
         card = (tmp / kind / "README.md").read_text()
-        assert str(path) in card and "16 rows" in card and "training.json" in card
+        assert str(path) in card and "64 rows" in card and "training.json" in card
     assert json.loads((tmp / "draft" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert not list(tmp.glob(".*.partial"))
+    assert_learned(path, tmp, data)
 
     out = export_engines(str(path), tmp / "engines", draft=str(tmp / "draft"), medusa=str(tmp / "medusa"),
                          eagle=str(tmp / "eagle"), max_seq_len=64, log=lambda *_: None)
@@ -103,6 +115,36 @@ def test_every_kind_trains_exports_and_keeps_the_target_output(target):
             ours = gen.generate(prompt_ids=prompt, max_new_tokens=24, method=method, adaptive=False)
             assert ours.stats["method"] == method
             assert_same_or_tie(ours.token_ids[0], plain, prompt, model)
+
+
+def assert_learned(path, tmp, data) -> None:
+    """Held out (5 prompts of the 64 rows): the trained drafters' agreement with the target's greedy tokens against
+    the untrained ones' (the draft's step 0; EAGLE and the heads run for a step at --lr 0, which changes no
+    weight; the trained runs' features copied into their work directories, not computed again), and the training
+    loss, first to last."""
+    for kind in ("eagle", "medusa"):
+        (tmp / f"{kind}-untrained.work").mkdir()
+        shutil.copy(tmp / f"{kind}.work" / "features.pt", tmp / f"{kind}-untrained.work")
+    train("eagle", "--target", path, "--data", data, "--out", tmp / "eagle-untrained", "--steps", 1,
+          "--batch-tokens", 512, "--lr", 0)
+    train("medusa", "--target", path, "--data", data, "--out", tmp / "medusa-untrained", "--heads", 2, "--epochs", 1,
+          "--lr", 0)
+    history = {kind: json.loads((tmp / kind / "training.json").read_text())["history"]
+               for kind in ("eagle", "eagle-untrained", "draft", "medusa", "medusa-untrained")}
+    untrained, trained = history["eagle-untrained"][-1], history["eagle"][-1]
+    print(f"held-out agreement: EAGLE {untrained['agreement']:.3f} -> {trained['agreement']:.3f}, draft "
+          f"{history['draft'][0]['agreement']:.3f} -> {history['draft'][-1]['agreement']:.3f}, Medusa top-5 "
+          f"{history['medusa-untrained'][-1]['held_out']['top5']} -> {history['medusa'][-1]['held_out']['top5']}")
+    assert untrained["agreement"] < 0.1 and trained["agreement"] > 0.4 and trained["own_agreement"] > 0.4
+    assert trained["train_loss"] < history["eagle"][0]["train_loss"] < untrained["train_loss"]
+    first, last = history["draft"][0], history["draft"][-1]   # step 0: the target's first layer, as it starts
+    assert (first["step"], last["step"]) == (0, 20) and first["positions"] == last["positions"] == 60
+    assert last["agreement"] > first["agreement"] + 0.15 and last["loss"] < first["loss"] - 0.2
+    untrained, trained = history["medusa-untrained"][-1], history["medusa"][-1]
+    for head in range(2):   # head k guesses token t + k + 2; untrained, each is the target's LM head (token t + 1)
+        assert untrained["held_out"]["top1"][head] == untrained["held_out"]["top5"][head] == 0
+        assert trained["held_out"]["top1"][head] > 0.1 and trained["held_out"]["top5"][head] > 0.3
+    assert trained["train_loss"] < min(untrained["train_loss"], history["medusa"][0]["train_loss"]) - 1
 
 
 def tokenizer_text(path, ids) -> str:
