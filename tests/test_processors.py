@@ -119,15 +119,17 @@ def exact_processed_joint(model, prompt: list[int], params: SamplingParams, kw: 
 SAMPLED = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={3: 1.0})
 
 
-@pytest.mark.parametrize("method", ["draft"])   # trees' node contexts: the greedy tests above
-def test_sampled_with_penalties_is_the_processed_target(tiny, method):
+@pytest.mark.parametrize("method, temperature", [("draft", 1.0), ("draft", 0.7), ("medusa", 1.0)])
+def test_sampled_with_penalties_is_the_processed_target(tiny, method, temperature):
+    """The chain rule (a sampled draft model) and the tree rule (Medusa's deterministic tree, siblings tried in
+    turn) with penalties, a bias and min-p."""
     gen, model = tiny
-    prompt, params = [5, 1, 7], SamplingParams(temperature=1.0, min_p=0.02)
+    prompt, params = [5, 1, 7], SamplingParams(temperature=temperature, min_p=0.02)
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=11,
-                       adaptive=False, temperature=1.0, min_p=0.02, **SAMPLED)
+                       adaptive=False, temperature=temperature, min_p=0.02, **SAMPLED)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted, and rejections (the residual) too
     p = chi_square_p(out.token_ids, exact_processed_joint(model, prompt, params, SAMPLED))
-    print(f"{method} with penalties: chi-square p = {p:.4f}")
+    print(f"{method} at T = {temperature} with penalties: chi-square p = {p:.4f}")
     assert p > P_MIN
 
 
