@@ -508,8 +508,13 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--suffix-cache", "suffix_cache_mb", default=None, type=click.FloatRange(0.001),
               help="Suffix decoding: keep the outputs of finished requests (token ids) in an index of this many MB, "
                    "the oldest leaving first, that later rest requests draft from beside their own prompt.")
+@click.option("--prefix-cache", "prefix_cache_mb", default=None, type=click.FloatRange(0), metavar="MB",
+              help="Keep the state of prompts' prefixes (32-token blocks, least recently used out first) for later "
+                   "prompts that start the same way: a chat's next turn, a shared system prompt; 0: off. Default: "
+                   "512 MB, or 1/8 of the memory available once the engines are loaded (the GPU's on CUDA) if that "
+                   "is less; each replica its own.")
 def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
-          request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb):
+          request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -523,16 +528,16 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
         limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
         if replicas is not None or autoscale is not None:
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
-                            limits, replicas, autoscale, datastore, suffix_cache_mb)
+                            limits, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb)
             return
         run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
-            suffix_cache_mb)
+            suffix_cache_mb, prefix_cache_mb)
     except SpecrtError as e:
         _fail(e)
 
 
 def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
-                    replicas, autoscale, datastore, suffix_cache_mb):
+                    replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb):
     """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
     try:
         from specrt.serving.replicas import ReplicaConfig, run
@@ -551,7 +556,7 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
     count = replicas or (bounds[1] if bounds else 1)
     threads = threads or max(1, (os.cpu_count() or 1) // count)
     config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
-                           suffix_cache_mb)
+                           suffix_cache_mb, prefix_cache_mb)
     run(config, host, port, replicas or 1, bounds)
 
 

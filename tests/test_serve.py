@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import threading
@@ -98,7 +99,8 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     directory, _ = export_tiny_with_heads(tmp, VOCAB, num_heads=3, max_seq_len=MAX_LEN)
     log = tmp / "server.log"
-    with running_server(directory, log, "--model-name", "tiny", "--threads", "1") as (url, pid):
+    args = "--model-name", "tiny", "--threads", "1", "--prefix-cache", "1"   # a 1 MB prefix cache
+    with running_server(directory, log, *args) as (url, pid):
         yield Generator.from_engines(directory, threads=1), url, log, pid
 
 
@@ -295,6 +297,71 @@ def test_metrics_count_what_the_answers_say(tiny):
     one, two = Metrics("a", lambda: 0), Metrics("b", lambda: 0)                 # a registry each: no collision
     one.finish("draft", "stop")
     assert b'finished_reason="stop"' in one.exposition() and b'finished_reason="stop"' not in two.exposition()
+
+
+def prefix_cache_figures(url: str) -> dict:
+    """/metrics' prefix-cache counters and gauges of the model "tiny", by name without the prefix and _total."""
+    return {name[len("specrt:prefix_cache_"):].removesuffix("_total"): value
+            for (name, labels), value in scrape(url).items()
+            if name.startswith("specrt:prefix_cache") and labels == (("model_name", "tiny"),)}
+
+
+SHARED = 100   # a shared prefix's tokens: three whole blocks of 32 cached, the rest prefilled
+
+
+def shared_prefix_pairs(seed: int) -> list[tuple[str, list[int], list[int]]]:
+    """For each method of the tiny set: two prompts that share SHARED random tokens (another prefix per method)."""
+    rng = random.Random(seed)
+    pairs = []
+    for method in ("autoregressive", "draft", "medusa"):
+        prefix = [rng.randrange(1, VOCAB) for _ in range(SHARED)]
+        pairs.append((method, prefix + [5], prefix + [6, 7]))
+    return pairs
+
+
+def test_a_shared_prefix_comes_from_the_prefix_cache(tiny):
+    """The server's 1 MB prefix cache (--prefix-cache 1): of two requests sharing a 100-token prefix, the second's
+    `specrt` stats say 96 prompt tokens (three whole blocks) came from the cache, for each method; /metrics'
+    prefix-cache counters grew by the answers' figures and the cache holds within its bound; every answer equals
+    the lone generator's (no cache) greedy tokens."""
+    gen, url, *_ = tiny
+    assert gen.prefix_cache is None
+    api = client(url)
+    before = prefix_cache_figures(url)
+    queried = 0
+    for method, first, second in shared_prefix_pairs(57):
+        cached = []
+        for prompt in (first, second):
+            out = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"specrt": {"method": method}})
+            want = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive")
+            assert out.choices[0].token_ids == want.token_ids[0], method
+            cached.append(out.specrt["prefix_cache_tokens"])
+            queried += len(prompt)
+        assert cached == [0, SHARED // 32 * 32], method
+    after = prefix_cache_figures(url)
+    grew = {k: after[k] - before.get(k, 0) for k in ("queries", "hits", "requests", "request_hits")}
+    assert grew == {"queries": queried, "hits": 3 * 96, "requests": 6, "request_hits": 3}
+    assert 0 < after["bytes"] <= after["max_bytes"] == 2**20
+    assert health(url)["prefix_cache"]["hit_tokens"] == after["hits"]
+
+
+def test_prefix_cache_0_serves_without_one(tiny):
+    """`load(prefix_cache_mb=0)` (--prefix-cache 0) serves the same requests with no cache: no cached tokens, no
+    lookups counted, a bound of 0, the same greedy tokens; without a size a server gets the default rule's."""
+    from specrt.serving.server import PREFIX_CACHE_MB, create_app, default_prefix_cache_mb, load
+    lone, *_ = tiny
+    gen = load(lone.directory, threads=1, prefix_cache_mb=0)
+    assert gen.prefix_cache is None and 0 < default_prefix_cache_mb("cpu") <= PREFIX_CACHE_MB
+    with in_process(create_app(gen, "tiny")) as url:
+        api = client(url)
+        for method, first, second in shared_prefix_pairs(57)[:2]:
+            for prompt in (first, second):
+                out = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"specrt": {"method": method}})
+                want = lone.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive")
+                assert out.choices[0].token_ids == want.token_ids[0] and out.specrt["prefix_cache_tokens"] == 0
+        assert set(prefix_cache_figures(url).values()) == {0} and "prefix_cache" not in health(url)
 
 
 def rss_mb(pid: int) -> float:

@@ -207,7 +207,7 @@ class Server:
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.token_texts = TokenTexts(gen.tokenizer)   # logprobs' token texts and bytes
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting))
+        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting), lambda: self.gen.prefix_cache)
         self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
                                    max_waiting=max_waiting, timeout=request_timeout)
 

@@ -5,13 +5,19 @@ Each server has a registry of its own (not prometheus_client's global one): seve
 replicas) count apart. Counters and histograms carry the labels `model_name` and `method` (the method a request ran:
 `auto` resolved); the gauges `model_name`. The speculative-decoding counters and the token counts are added when a
 sequence ends (the figures of its `specrt` stats), so that they equal the sums of the answers' figures.
+
+The prefix cache's figures are read from the cache at each scrape (PrefixCache.stats; label `model_name` only: one
+cache serves every method). As vLLM's: `prefix_cache_queries` and `prefix_cache_hits` count prompt tokens (looked up;
+served from the cache), so that hits / queries is the share of prompt tokens not prefilled. specrt's own beside them:
+`prefix_cache_requests` and `prefix_cache_request_hits` (lookups, and those that found a block),
+`prefix_cache_evictions` (blocks), and the gauges `prefix_cache_bytes` and `prefix_cache_max_bytes` (0: no cache).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "specrt:"
@@ -25,11 +31,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # the text format ev
 
 
 class Metrics:
-    """The counters, histograms and gauges of one server (model_name: its model id)."""
+    """The counters, histograms and gauges of one server (model_name: its model id; prefix_cache: the generator's
+    PrefixCache now, or None)."""
 
-    def __init__(self, model_name: str, waiting: Callable[[], float]):
+    def __init__(self, model_name: str, waiting: Callable[[], float],
+                 prefix_cache: Callable[[], object] = lambda: None):
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
+        registry.register(_PrefixCacheFigures(model_name, prefix_cache))
         labels = ["model_name", "method"]
 
         def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
@@ -89,6 +98,30 @@ class Metrics:
     def exposition(self) -> bytes:
         """The text format of all of them (GET /metrics)."""
         return generate_latest(self.registry)
+
+
+class _PrefixCacheFigures:
+    """The prefix cache's counters and gauges, read from its stats() at each scrape (see the module doc)."""
+    COUNTERS = (("prefix_cache_queries", "query_tokens", "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_hits", "hit_tokens", "Prompt tokens served from the prefix cache (copied, not "
+                                                    "prefilled)."),
+                ("prefix_cache_requests", "queries", "Requests looked up in the prefix cache."),
+                ("prefix_cache_request_hits", "hits", "Requests that found at least one cached block."),
+                ("prefix_cache_evictions", "evictions", "Blocks evicted from the prefix cache (least recently used)."))
+    GAUGES = (("prefix_cache_bytes", "bytes", "Bytes the prefix cache holds."),
+              ("prefix_cache_max_bytes", "max_bytes", "The prefix cache's bound in bytes (0: no cache)."))
+
+    def __init__(self, model_name: str, cache: Callable[[], object]):
+        self.model_name, self.cache = model_name, cache
+
+    def collect(self):
+        cache = self.cache()
+        stats = cache.stats() if cache is not None else {}
+        for kind, table in ((CounterMetricFamily, self.COUNTERS), (GaugeMetricFamily, self.GAUGES)):
+            for name, key, doc in table:
+                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], stats.get(key, 0))
+                yield family
 
 
 def merge(texts: dict[str, bytes], label: str) -> bytes:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import json
 import hmac
+import logging
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException
 from specrt.errors import InputError, SpecrtError
 from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
+from specrt.decoding.prefix_cache import PrefixCache
 from specrt.serving.completions import Server, tool_use
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
@@ -49,6 +52,13 @@ ANSWERS = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
 REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}   # each route's schema
 
 MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
+
+# the prefix cache's default bound: PREFIX_CACHE_MB, or less where that is more than 1/PREFIX_CACHE_SHARE of the
+# memory still available once the engines are loaded (the GPU's on CUDA); 512 MB holds ~11k positions of SmolLM2-135M
+# in float32 (46 KB a position), a 2,000-token system prompt and dozens of chats
+PREFIX_CACHE_MB, PREFIX_CACHE_SHARE = 512, 8
+
+log = logging.getLogger("specrt.serving")
 
 
 def _too_large(limit: int) -> str:
@@ -142,11 +152,12 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         """Liveness: a 503 once the scheduler has died (restart the process)."""
         if (dead := server.scheduler.dead()) is not None:
             raise dead
-        cache = server.gen.suffix_cache
+        cache, prefixes = server.gen.suffix_cache, server.gen.prefix_cache
         return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
                 "waiting": len(server.scheduler.waiting),
                 **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
-                   if cache is not None else {})}
+                   if cache is not None else {}),
+                **({"prefix_cache": prefixes.stats()} if prefixes is not None else {})}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def metrics():
@@ -198,29 +209,59 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def available_bytes(device: str) -> int:
+    """Memory not yet taken: the GPU's free memory on CUDA, else the host's MemAvailable (Linux; elsewhere its free
+    pages)."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_prefix_cache_mb(device: str) -> float:
+    """`specrt serve`'s prefix cache without --prefix-cache: PREFIX_CACHE_MB, at most 1/PREFIX_CACHE_SHARE of the
+    memory available on `device` now."""
+    return min(PREFIX_CACHE_MB, available_bytes(device) / PREFIX_CACHE_SHARE / 2**20)
+
+
 def load(engines: str | Path, device: str = "auto", threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-         datastore: str | Path | None = None, suffix_cache_mb: float | None = None) -> Generator:
-    """The generator a server (or a replica) serves: the engine set, rest's datastore and the suffix cache."""
+         datastore: str | Path | None = None, suffix_cache_mb: float | None = None,
+         prefix_cache_mb: float | None = None) -> Generator:
+    """The generator a server (or a replica) serves: the engine set, rest's datastore, the suffix cache and the
+    prefix cache (`prefix_cache_mb`: its bound, 0 for none; None: default_prefix_cache_mb, once the engines have
+    taken their memory)."""
     gen = Generator.from_engines(engines, device=device, threads=threads, prefill_chunk=prefill_chunk,
                                  datastore=datastore)
     if suffix_cache_mb is not None:
         gen.suffix_cache = SuffixCache(suffix_cache_mb)
+    if prefix_cache_mb is None:
+        prefix_cache_mb = default_prefix_cache_mb(str(gen.target.device))
+    gen.prefix_cache = PrefixCache.of_mb(prefix_cache_mb)
     return gen
 
 
 def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           method: str = AUTO, device: str = "auto", threads: int | None = None,
           max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
-          datastore: str | Path | None = None, suffix_cache_mb: float | None = None) -> None:
+          datastore: str | Path | None = None, suffix_cache_mb: float | None = None,
+          prefix_cache_mb: float | None = None) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
     `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
-    outputs (see SuffixCache)."""
-    gen = load(engines, device, threads, prefill_chunk, datastore, suffix_cache_mb)
+    outputs (see SuffixCache); `prefix_cache_mb`: the prefix cache's bound (see load)."""
+    gen = load(engines, device, threads, prefill_chunk, datastore, suffix_cache_mb, prefix_cache_mb)
     app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
     # uvicorn's own limit, should a request not end when the scheduler ends it
     config = uvicorn.Config(app, host=host, port=port, log_config=logs, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    cache = gen.prefix_cache   # logged once uvicorn's config has set the loggers up
+    log.info("prefix cache: %s", "off" if cache is None else f"{cache.max_bytes / 2**20:.0f} MB" +
+             (" (the default)" if prefix_cache_mb is None else ""))
     _Uvicorn(config, app.state.server).run()
 
 
