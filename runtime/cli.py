@@ -589,19 +589,35 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
               metavar="MB", help="Instead of the waves: repeated traffic, the same requests sent twice (at the "
               "largest --concurrency), against a server without and one with `--suffix-cache MB`; reports the "
               "second pass's tokens/s with the cache against without (use --method rest or eagle).")
+@click.option("--prefix-cache", "prefix_cache_mb", default=None, type=click.FloatRange(0), metavar="MB",
+              help="The server's --prefix-cache (default: serve's; the waves send the same prompts at every "
+                   "concurrency, so 0 measures decoding alone); with --shared-prefix the cache of the arm with it on "
+                   "(default 512).")
+@click.option("--shared-prefix", "shared_prefix", default=None, type=click.IntRange(1), metavar="TOKENS",
+              help="Instead of the waves: --requests MT-Bench questions one at a time under one system prompt of "
+                   "about TOKENS tokens (the first packaged long prompt, cut), against a server with its prefix cache "
+                   "off and one with it on; reports each request's time to first token and total time side by side.")
 def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
-                prefill_chunk, replicas, suffix_cache):
+                prefill_chunk, replicas, suffix_cache, prefix_cache_mb, shared_prefix):
     """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
     under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
     batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
     streams delays them. Needs the serve extra."""
     from pathlib import Path
-    from specrt.measurement.serve_bench import bench_long_prompt, bench_repeated, bench_serve as run
+    from specrt.measurement.serve_bench import bench_long_prompt, bench_repeated, bench_serve as run, \
+        bench_shared_prefix
+    if shared_prefix is not None:
+        try:
+            bench_shared_prefix(Path(engines), method, requests, max_tokens, threads, shared_prefix,
+                                512 if prefix_cache_mb is None else prefix_cache_mb, Path(out), log=click.echo)
+        except SpecrtError as e:
+            _fail(e)
+        return
     if suffix_cache is not None:
         try:
             level = max(int(c) for c in concurrency.split(",") if c.strip())
             bench_repeated(Path(engines), level, method, requests, max_tokens, threads, suffix_cache, Path(out),
-                           log=click.echo)
+                           log=click.echo, prefix_cache_mb=prefix_cache_mb)
         except ValueError:
             raise click.BadParameter(f"{concurrency!r}: expected comma-separated integers, e.g. 1,4,8",
                                      param_hint="--concurrency") from None
@@ -611,7 +627,7 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
     if long_prompt is not None:
         try:
             bench_long_prompt(Path(engines), method, streams, max_tokens, threads, prefill_chunk, Path(out),
-                              long_prompt, log=click.echo)
+                              long_prompt, log=click.echo, prefix_cache_mb=prefix_cache_mb)
         except SpecrtError as e:
             _fail(e)
         return
@@ -623,7 +639,7 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
                                  "and 1,2", param_hint="--concurrency / --replicas") from None
     try:
         run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo,
-            replicas=counts)
+            replicas=counts, prefix_cache_mb=prefix_cache_mb)
     except SpecrtError as e:
         _fail(e)
 

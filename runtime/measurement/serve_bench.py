@@ -8,6 +8,14 @@ and how many of them speculated.
 `--long-prompt`: a few short streams run, and once each has its first token one long prompt arrives (one of the
 packaged long prompts); it reports the short streams' largest gap between two tokens (a prefill that is not
 chunked stalls them for all of it) and the long request's time to first token.
+
+`--shared-prefix TOKENS`: requests one at a time, each an MT-Bench question under one system prompt of about TOKENS
+tokens (the first packaged long prompt, cut), against a server with its prefix cache off and one with it on, side
+by side: each request's time to first token and total time, and its prompt tokens that came from the cache.
+
+The other modes' servers run with the prefix cache `specrt serve` defaults to, unless `--prefix-cache MB` is given:
+the waves send the same prompts at every concurrency, so later waves find the blocks of earlier ones (an MT-Bench
+chat prompt holds a block or two); `--prefix-cache 0` measures decoding alone.
 """
 from __future__ import annotations
 
@@ -69,11 +77,12 @@ def _replicas_ready(log_path: Path) -> bool:
     return READY in Path(log_path).read_text(errors="replace")
 
 
-def stream_request(url: str, prompt: str, max_tokens: int, began: threading.Event | None = None) -> dict:
-    """One streamed chat completion: its start, first-token and end times, when each chunk of tokens came, token
-    count and the server's figures. `began` is set at the first token."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True}).encode()
+def stream_request(url: str, prompt: str | list[dict], max_tokens: int, began: threading.Event | None = None) -> dict:
+    """One streamed chat completion of `prompt` (a user message, or the messages): its start, first-token and end
+    times, when each chunk of tokens came, token count and the server's figures. `began` is set at the first
+    token."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     start, first, tokens, stats, arrivals = time.perf_counter(), None, 0, None, []
     with urllib.request.urlopen(req, timeout=1800) as r:
@@ -94,6 +103,11 @@ def stream_request(url: str, prompt: str, max_tokens: int, began: threading.Even
             stats = chunk.get("specrt", stats)
     return {"start": start, "first": first or time.perf_counter(), "end": time.perf_counter(), "tokens": tokens,
             "stats": stats, "arrivals": arrivals}
+
+
+def cache_args(prefix_cache_mb: float | None) -> list[str]:
+    """The server's --prefix-cache where one is asked for (None: the server's default)."""
+    return [] if prefix_cache_mb is None else ["--prefix-cache", str(prefix_cache_mb)]
 
 
 def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -130,7 +144,7 @@ def long_prompt_wave(url: str, short: list[str], long: str, max_tokens: int, lon
 
 def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int, threads: int | None,
                       prefill_chunk: int | None, out: Path, long_id: str = "review-letter-answers",
-                      log=print) -> dict:
+                      log=print, prefix_cache_mb: float | None = None) -> dict:
     """`streams` short streams (MT-Bench prompts, `max_tokens` each) and one long prompt (the packaged long prompt
     `long_id`, 32 tokens) arriving while they run, against one server; serve_bench.json and .md in `out`."""
     from specrt.measurement.bench import LONG_PROMPTS, load_prompts
@@ -140,7 +154,7 @@ def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int,
         raise InputError(f"--long-prompt {long_id!r}: not an id of the packaged long prompts")
     out.mkdir(parents=True, exist_ok=True)
     args = ["--max-batch", str(streams + 1), "--method", method] + (["--threads", str(threads)] if threads else []) \
-        + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else [])
+        + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []) + cache_args(prefix_cache_mb)
     with server(engines, out / "server.log", *args) as (url, _):
         stream_request(url, short[0], 8)   # warm-up: first passes, cost measurements
         log(f"{streams} streams of {max_tokens} tokens ({method}), then a long prompt ({long_id}) ...")
@@ -159,7 +173,8 @@ def bench_long_prompt(engines: Path, method: str, streams: int, max_tokens: int,
 
 
 def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, max_tokens: int,
-                   threads: int | None, suffix_cache_mb: float, out: Path, log=print) -> dict:
+                   threads: int | None, suffix_cache_mb: float, out: Path, log=print,
+                   prefix_cache_mb: float | None = None) -> dict:
     """Repeated traffic (agents and retries send the same requests again): one wave of `requests`, then the same
     wave again, against a server without a suffix cache and one with `suffix_cache_mb`, side by side in one run;
     the second pass's tokens/s and tokens a round with the cache against without, and the cache's size after."""
@@ -170,7 +185,7 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
     results = []
     for cache in (None, suffix_cache_mb):
         args = ["--max-batch", str(concurrency), "--method", method] + (["--threads", str(threads)] if threads else []) \
-            + ([] if cache is None else ["--suffix-cache", str(cache)])
+            + ([] if cache is None else ["--suffix-cache", str(cache)]) + cache_args(prefix_cache_mb)
         with server(engines, out / f"server-{'cache' if cache else 'plain'}.log", *args) as (url, pid):
             stream_request(url, "Say hello.", 8)   # warm-up: first passes, cost measurements
             for n in (1, 2):
@@ -210,7 +225,8 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
 
 
 def bench_serve(engines: Path, concurrency: list[int], method: str, requests: int, max_tokens: int,
-                threads: int | None, out: Path, log=print, replicas: list[int] | None = None) -> dict:
+                threads: int | None, out: Path, log=print, replicas: list[int] | None = None,
+                prefix_cache_mb: float | None = None) -> dict:
     """The waves against one server; with `replicas`, against `specrt serve --replicas R` for each R in turn (each
     replica --threads threads, default the cores divided among them), side by side."""
     from specrt.measurement.bench import load_prompts
@@ -223,7 +239,7 @@ def bench_serve(engines: Path, concurrency: list[int], method: str, requests: in
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for count in replicas or [None]:
-        args = ["--max-batch", str(max(concurrency)), "--method", method]
+        args = ["--max-batch", str(max(concurrency)), "--method", method, *cache_args(prefix_cache_mb)]
         if count is not None:
             args += ["--replicas", str(count), "--threads", str(threads or max(1, (os.cpu_count() or 1) // count))]
         elif threads:
@@ -257,6 +273,48 @@ def bench_serve(engines: Path, concurrency: list[int], method: str, requests: in
         lines += ["", "Rounds of the server's batch by live rows (cumulative over the run):", "",
                   "| rows | rounds | speculative |", "|---|---|---|"]
         lines += [f"| {n} | {v['rounds']} | {v['speculative']} |" for n, v in rounds.items()]
+    (out / "serve_bench.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return report
+
+
+def bench_shared_prefix(engines: Path, method: str, requests: int, max_tokens: int, threads: int | None,
+                        system_tokens: int, prefix_cache_mb: float, out: Path, log=print) -> dict:
+    """`requests` MT-Bench questions, one at a time, under one system prompt of about `system_tokens` tokens, against
+    a server with `--prefix-cache 0` and one with `--prefix-cache prefix_cache_mb`, side by side (the "on" arm's
+    first request fills the cache); serve_bench.json and .md in `out`."""
+    from importlib import resources
+    from transformers import AutoTokenizer
+    from specrt.measurement.bench import LONG_PROMPTS, load_prompts
+    if not prefix_cache_mb > 0:
+        raise InputError(f"--prefix-cache {prefix_cache_mb}: --shared-prefix compares a cache of more than 0 MB "
+                         "with none")
+    tok = AutoTokenizer.from_pretrained(engines / "tokenizer")
+    doc = json.loads(resources.files("specrt").joinpath(f"data/{LONG_PROMPTS}").read_text().splitlines()[0])
+    system = tok.decode(tok(doc["prompt"])["input_ids"][:system_tokens])
+    questions = [p.text for p in load_prompts(None, requests) if p.text]
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {}
+    for mb in (0, prefix_cache_mb):
+        args = ["--method", method, "--prefix-cache", str(mb)] + (["--threads", str(threads)] if threads else [])
+        with server(engines, out / f"server-cache-{mb}.log", *args) as (url, _):
+            stream_request(url, "Say hello.", 8)   # warm-up: first passes, cost measurements
+            log(f"prefix cache {mb} MB: {len(questions)} requests under a {system_tokens}-token system prompt ...")
+            arms[mb] = [stream_request(url, [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                       max_tokens) for q in questions]
+    rows = [{"request": i + 1, "cached_tokens": (on["stats"] or {}).get("prefix_cache_tokens"),
+             "ttft_off_s": off["first"] - off["start"], "ttft_on_s": on["first"] - on["start"],
+             "total_off_s": off["end"] - off["start"], "total_on_s": on["end"] - on["start"]}
+            for i, (off, on) in enumerate(zip(arms[0], arms[prefix_cache_mb]))]
+    report = {"engines": str(engines), "method": method, "max_tokens": max_tokens, "system_tokens": system_tokens,
+              "prefix_cache_mb": prefix_cache_mb, "requests": rows}
+    (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# Serving a shared system prompt ({system_tokens} tokens): {method}, {len(rows)} MT-Bench questions "
+             f"of {max_tokens} tokens one at a time, prefix cache off and {prefix_cache_mb} MB", "",
+             "| request | cached tokens | first token off (s) | on (s) | total off (s) | on (s) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['request']} | {r['cached_tokens']} | {r['ttft_off_s']:.2f} | {r['ttft_on_s']:.2f} | "
+              f"{r['total_off_s']:.2f} | {r['total_on_s']:.2f} |" for r in rows]
     (out / "serve_bench.md").write_text("\n".join(lines) + "\n")
     log("\n".join(lines))
     return report
