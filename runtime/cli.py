@@ -590,9 +590,9 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
               "largest --concurrency), against a server without and one with `--suffix-cache MB`; reports the "
               "second pass's tokens/s with the cache against without (use --method rest or eagle).")
 @click.option("--prefix-cache", "prefix_cache_mb", default=None, type=click.FloatRange(0), metavar="MB",
-              help="The server's --prefix-cache (default: serve's; the waves send the same prompts at every "
-                   "concurrency, so 0 measures decoding alone); with --shared-prefix the cache of the arm with it on "
-                   "(default 512).")
+              help="The server's --prefix-cache (default 0: the waves send the same prompts at every concurrency, "
+                   "so without a cache they measure decoding alone); with --shared-prefix the cache of the arm with "
+                   "it on (default 512).")
 @click.option("--shared-prefix", "shared_prefix", default=None, type=click.IntRange(1), metavar="TOKENS",
               help="Instead of the waves: --requests MT-Bench questions one at a time under one system prompt of "
                    "about TOKENS tokens (the first packaged long prompt, cut), against a server with its prefix cache "

@@ -144,8 +144,8 @@ def test_bench_serve_over_replicas(replicas, default_engines, tmp_path, monkeypa
                                        "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
                                        "--out", str(out)])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert asked == [("server-2.log", ("--max-batch", "2", "--method", "autoregressive", "--replicas", "2",
-                                       "--threads", "1"))]
+    assert asked == [("server-2.log", ("--max-batch", "2", "--method", "autoregressive", "--prefix-cache", "0",
+                                       "--replicas", "2", "--threads", "1"))]
     report = json.loads((out / "serve_bench.json").read_text())
     results = report["results"]
     assert [(r["replicas"], r["concurrency"], r["requests"], r["tokens"]) for r in results] == [(2, 1, 2, 8),

@@ -13,9 +13,9 @@ chunked stalls them for all of it) and the long request's time to first token.
 tokens (the first packaged long prompt, cut), against a server with its prefix cache off and one with it on, side
 by side: each request's time to first token and total time, and its prompt tokens that came from the cache.
 
-The other modes' servers run with the prefix cache `specrt serve` defaults to, unless `--prefix-cache MB` is given:
-the waves send the same prompts at every concurrency, so later waves find the blocks of earlier ones (an MT-Bench
-chat prompt holds a block or two); `--prefix-cache 0` measures decoding alone.
+The other modes' servers run without a prefix cache unless `--prefix-cache MB` is given: the waves send the same
+prompts at every concurrency, and later waves would find the blocks of earlier ones (an MT-Bench chat prompt holds a
+block or two), so by default they measure decoding alone, as the published tables do.
 """
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def stream_request(url: str, prompt: str | list[dict], max_tokens: int, began: t
 
 
 def cache_args(prefix_cache_mb: float | None) -> list[str]:
-    """The server's --prefix-cache where one is asked for (None: the server's default)."""
-    return [] if prefix_cache_mb is None else ["--prefix-cache", str(prefix_cache_mb)]
+    """The server's --prefix-cache: the one asked for, else none (None: decoding alone, see the module doc)."""
+    return ["--prefix-cache", "0" if prefix_cache_mb is None else str(prefix_cache_mb)]
 
 
 def wave(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
