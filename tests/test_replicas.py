@@ -223,8 +223,9 @@ def test_requests_beyond_max_waiting_get_429(replicas):
     429 in OpenAI's format at once, the --max-waiting others wait; once the long streams leave, they are answered."""
     url, _ = replicas
     burst = 3 * MAX_WAITING
-    with ThreadPoolExecutor(2 * MAX_BATCH) as pool:
-        held = list(pool.map(lambda _: hold(url), range(2 * MAX_BATCH)))
+    held = []
+    for _ in range(2 * MAX_BATCH):   # one after another, each running before the next: a burst of them could itself
+        held.append(hold(url))       # meet the ingress's bound while the router assigns them
     with ThreadPoolExecutor(burst) as pool:
         try:
             sent = [pool.submit(post, url, {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0})
