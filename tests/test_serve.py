@@ -210,6 +210,7 @@ def test_concurrent_streams_join_one_batch(tiny):
     for prompt, (ids, reason, usage, stats) in zip(prompts, results):
         assert ids == gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft").token_ids[0], prompt
         assert reason == "length" and usage.completion_tokens == 24 and usage.prompt_tokens == len(prompt)
+        assert usage.prompt_tokens_details.cached_tokens == stats["prefix_cache_tokens"] == 0   # prompts < a block
         assert stats["method"] == "draft" and stats["tokens"] == 24
         assert stats["ttft_s"] > 0 and 0 < stats["itl_mean_s"] <= stats["itl_max_s"]   # the scheduler's timing
     sizes = {int(n) for r in results for n in r[3]["batch_rounds"]}
@@ -337,6 +338,7 @@ def test_a_shared_prefix_comes_from_the_prefix_cache(tiny):
             want = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive")
             assert out.choices[0].token_ids == want.token_ids[0], method
             cached.append(out.specrt["prefix_cache_tokens"])
+            assert out.usage.prompt_tokens_details.cached_tokens == cached[-1]   # OpenAI's field says it too
             queried += len(prompt)
         assert cached == [0, SHARED // 32 * 32], method
     after = prefix_cache_figures(url)

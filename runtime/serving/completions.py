@@ -449,7 +449,7 @@ class Server:
                 choices.append(_choice(chat, i, cut, tokens[i], "tool_calls" if calls else reason, logprobs,
                                        calls=calls))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                    "usage": _usage(ids, sum(map(len, tokens))),
+                    "usage": _usage(ids, sum(map(len, tokens)), ends[0][1]),
                     "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
                     | {"choices": [ends[i][1] for i in range(req.n)]}}
         pieces = self.pieces(ids, options, stops)
@@ -473,7 +473,7 @@ class Server:
         calls = parse_calls(text, tools.names) if tools is not None and reason == "stop" else None
         choice = _choice(chat, 0, text, tokens, "tool_calls" if calls else reason, logprobs, calls=calls)
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": _usage(ids, len(tokens)), "specrt": got[-1].stats}
+                "usage": _usage(ids, len(tokens), got[-1].stats), "specrt": got[-1].stats}
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
@@ -491,8 +491,11 @@ def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reas
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
 
 
-def _usage(ids: list[int], completion: int) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+def _usage(ids: list[int], completion: int, stats: dict | None = None) -> dict:
+    """OpenAI's usage, with the prompt tokens that came from the prefix cache as its `cached_tokens`."""
+    usage = {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+    cached = (stats or {}).get("prefix_cache_tokens")
+    return usage | ({"prompt_tokens_details": {"cached_tokens": cached}} if cached is not None else {})
 
 
 async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: bool, ids: list[int],
@@ -509,7 +512,7 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
     if chat:
         yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None, "token_ids": []}])
-    count = 0
+    count, stats = 0, None
     try:
         piece = first
         while True:
@@ -518,11 +521,12 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
                 lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
                 yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)])
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
-                yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=piece.stats)
+                stats = piece.stats
+                yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=stats)
                 break
             piece = await anext(pieces)
         if include_usage:
-            yield event([], _usage(ids, count))
+            yield event([], _usage(ids, count, stats))
     except Exception as e:   # noqa: BLE001 -- any error ends the stream with an error chunk, then [DONE]
         e = api_error(e)
         yield f"data: {json.dumps(error_body(e.message, e.param, e.code, e.status))}\n\n"
