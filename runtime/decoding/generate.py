@@ -254,8 +254,8 @@ class Generator:
         "typical" (Medusa's typical acceptance: drafts the target finds likely enough are accepted; more tokens a
         round at temperature > 0, but NOT the target's distribution; greedy at temperature 0). The stats say which
         (`acceptance`, `distribution_preserving`). `logprobs=N`: `Generation.logprobs` holds each new token's
-        log-probability under the target's distribution it was drawn from (after temperature, top-k and top-p) and
-        the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them.
+        log-probability under the target's distribution it was drawn from (after the processors below, temperature,
+        top-k, top-p and min-p) and the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them.
         `min_p` drops tokens below min_p × the most likely one's probability (after top-p); `presence_penalty`,
         `frequency_penalty` (OpenAI's), `repetition_penalty` and `logit_bias` ({token id: bias}) process the
         target's logits at every position in the context it has (processors.py): the output is the processed
