@@ -102,6 +102,30 @@ def export_tiny_with_heads(tmp: Path, vocab: int, num_heads: int, max_seq_len: i
                        medusa=tmp / "heads")
 
 
+def export_tiny_with_drafters(tmp: Path, vocab: int, max_seq_len: int, medusa_heads: int = 0):
+    """A tiny peaked llama target with a different draft model, an EAGLE drafter and (`medusa_heads` > 0) sequential
+    Medusa heads, exported and built for the CPU (float32 drafters); returns (directory, hf_model)."""
+    from specrt.export.build import build
+    from specrt.export.eagle import new_eagle, save_eagle
+    from specrt.export.medusa import MedusaHeads, save_heads
+    from specrt.export.model import from_hf
+    from specrt.export.pipeline import export_engines
+    model = tiny_model("llama", seed=1, vocab=vocab, init=0.3)
+    model.save_pretrained(tmp / "src")
+    tiny_model("llama", seed=11, vocab=vocab, init=0.3).save_pretrained(tmp / "draft")
+    save_eagle(new_eagle(from_hf(model, max_seq_len), seed=3, num_layers=1), tmp / "eagle", dtype=torch.float32)
+    medusa = None
+    if medusa_heads:
+        torch.manual_seed(5)
+        save_heads(MedusaHeads(medusa_heads, model.config.hidden_size, model.lm_head.weight,
+                               model.model.embed_tokens.weight, sequential=True), tmp / "heads")
+        medusa = str(tmp / "heads")
+    export_engines(str(tmp / "src"), tmp / "engines", draft=str(tmp / "draft"), eagle=str(tmp / "eagle"),
+                   medusa=medusa, max_seq_len=max_seq_len, log=lambda *_: None)
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    return tmp / "engines", model
+
+
 @pytest.fixture(scope="session")
 def tiny_engines(tmp_path_factory):
     """One exported + built engine set per registered architecture (session-wide)."""

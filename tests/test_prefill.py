@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import export_tiny_with_drafters
 from greedy_check import assert_same_or_tie
 from specrt.errors import InputError
 from specrt.export.architectures import REGISTRY
@@ -65,19 +65,8 @@ def test_chunks_give_one_pass_logits_cache_and_tokens(tiny_engines, arch, length
 @pytest.fixture(scope="module")
 def with_drafters(tmp_path_factory):
     """A tiny peaked llama target with a draft model and an EAGLE drafter, exported and built for the CPU."""
-    from specrt.export.build import build
-    from specrt.export.eagle import new_eagle, save_eagle
-    from specrt.export.model import from_hf
-    from specrt.export.pipeline import export_engines
-    tmp = tmp_path_factory.mktemp("prefill")
-    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
-    model.save_pretrained(tmp / "src")
-    tiny_model("llama", seed=11, vocab=V, init=0.3).save_pretrained(tmp / "draft")
-    save_eagle(new_eagle(from_hf(model, WHOLE), seed=3, num_layers=1), tmp / "eagle", dtype=torch.float32)
-    export_engines(str(tmp / "src"), tmp / "engines", draft=str(tmp / "draft"), eagle=str(tmp / "eagle"),
-                   max_seq_len=WHOLE, log=lambda *_: None)
-    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
-    return Generator.from_engines(tmp / "engines"), model
+    directory, model = export_tiny_with_drafters(tmp_path_factory.mktemp("prefill"), V, WHOLE)
+    return Generator.from_engines(directory), model
 
 
 @pytest.mark.parametrize("length", [LONG, SHORT])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import export_tiny_with_drafters, tiny_model
 from greedy_check import assert_same_or_tie
 from test_speculative import P_MIN, chi_square_p, exact_joint, pair, sample_first3  # noqa: F401 (pair: a fixture)
 from specrt.decoding.generate import Generator
@@ -136,23 +136,8 @@ def test_sizes():
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """A tiny peaked llama target with a draft model, sequential Medusa heads and an EAGLE drafter."""
-    from specrt.export.build import build
-    from specrt.export.eagle import new_eagle, save_eagle
-    from specrt.export.medusa import MedusaHeads, save_heads
-    from specrt.export.model import from_hf
-    from specrt.export.pipeline import export_engines
-    tmp = tmp_path_factory.mktemp("prefix")
-    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
-    model.save_pretrained(tmp / "src")
-    tiny_model("llama", seed=11, vocab=V, init=0.3).save_pretrained(tmp / "draft")
-    save_eagle(new_eagle(from_hf(model, MAX_LEN), seed=3, num_layers=1), tmp / "eagle", dtype=torch.float32)
-    torch.manual_seed(5)
-    save_heads(MedusaHeads(3, model.config.hidden_size, model.lm_head.weight, model.model.embed_tokens.weight,
-                           sequential=True), tmp / "heads")
-    export_engines(str(tmp / "src"), tmp / "engines", draft=str(tmp / "draft"), eagle=str(tmp / "eagle"),
-                   medusa=str(tmp / "heads"), max_seq_len=MAX_LEN, log=lambda *_: None)
-    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
-    gen = Generator.from_engines(tmp / "engines", prefix_cache_mb=1)
+    directory, model = export_tiny_with_drafters(tmp_path_factory.mktemp("prefix"), V, MAX_LEN, medusa_heads=3)
+    gen = Generator.from_engines(directory, prefix_cache_mb=1)
     assert gen.prefix_cache.max_bytes == 1 << 20
     gen.prefill_chunk = 8
     return gen, model
