@@ -84,21 +84,24 @@ class Batch:
 
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-            logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None) -> None:
+            logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
+            rounds: bool = False) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar)
+        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar, rounds)
         while self.joining:
             self.prefill()
 
     def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
-             logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None) -> None:
+             logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
+             rounds: bool = False) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
         the caller's handle for the rows, or a sequence of one per row. `logprobs`: each new token's log-probability
         and this many alternatives are kept (`_Row.logprobs`; None: not). `penalties`: its rows' processors of the
         target's logits (processors.py); `grammar`: the grammar its output follows (decoding/grammar.py: each row
-        a Matcher of it). Bad requests are refused here."""
+        a Matcher of it); `rounds`: its rows keep a Round per round, the first token's included (_Row.round_log).
+        Bad requests are refused here."""
         check_logprobs(logprobs)
         if penalties is not None:
             penalties.check_vocab(self.gen.target.spec["vocab_size"])
@@ -106,6 +109,7 @@ class Batch:
         joining.logprobs = logprobs
         joining.penalties = penalties if penalties is not None and penalties.active else None
         joining.grammar = grammar
+        joining.rounds = rounds
         self.joining.append(joining)
 
     @property
@@ -235,7 +239,8 @@ class Batch:
         V = gen.target.spec["vocab_size"]
         run.rows += [_Row(o, m, j.max_new, cached=j.cached, logprobs_top=j.logprobs, penalties=j.penalties,
                           context=Context(j.ids) if j.penalties else None,
-                          matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None) for o in j.owners]
+                          matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None,
+                          round_log=[] if j.rounds else None) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
@@ -335,7 +340,9 @@ class Batch:
         if proposal is None:
             g, proposal = 0, forced or run.inputs(run.batch, 1).empty
         taking_part = [row for row, a in zip(run.rows, active) if a]
-        accepted, proposed = gen._account(run, gen._verify(run, proposal), drafted=forced is None)
+        host = gen._verify(run, proposal)
+        drafts = self._drafted(proposal, host) if g and any(row.round_log is not None for row in run.rows) else None
+        accepted, proposed = gen._account(run, host, drafted=forced is None, drafts=drafts)
         if drafter is not None:
             drafter.observe(run)
         run.rounds += 1
@@ -347,6 +354,27 @@ class Batch:
             self.policy.update(accepted, proposed)
         if self.trees and timed:
             self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
+
+    @staticmethod
+    def _drafted(proposal: Proposal, host: list[list[int]]) -> list[list[int]]:
+        """Each row's drafted tokens this round, for the round logs (Round): a chain's valid drafts; a tree's branch
+        that the target followed (`host`: its accepted path), then the tree's first candidate where it stopped."""
+        tokens, widths = proposal.host or (proposal.tokens.cpu().numpy(), proposal.valid.sum(1).tolist())
+        tree = proposal.tree
+        if tree is None:
+            return [tokens[b, :w].tolist() for b, w in enumerate(widths)]
+        drafts = []
+        for b, (n, _nxt, _width, _root, *path) in enumerate(host):
+            node, branch = 0, []
+            while tree.children[node]:
+                kids = tree.children[node]
+                depth = len(branch)
+                node = next((c for c in kids if depth < n and tokens[b, c - 1] == path[depth]), kids[0])
+                branch.append(int(tokens[b, node - 1]))
+                if depth >= n:   # the first candidate below the accepted path
+                    break
+            drafts.append(branch)
+        return drafts
 
     def _forced(self) -> Proposal | None:
         """What the live rows' grammars force (the only token each allows, one after another), as a chain of
@@ -498,7 +526,8 @@ class Batch:
         if self.gen.tokenizer is not None:
             text = [self.gen.tokenizer.decode(t, skip_special_tokens=True) for t in new]
         logprobs = [r.logprobs for r in rows] if any(r.logprobs_top is not None for r in rows) else None
-        return Generation(new, text, stats, logprobs)
+        rounds = [r.round_log for r in rows] if any(r.round_log is not None for r in rows) else None
+        return Generation(new, text, stats, logprobs, rounds)
 
 
 class Detokenizer:

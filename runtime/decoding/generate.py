@@ -29,7 +29,7 @@ from specrt.decoding.batch import Batch, Detokenizer
 from specrt.decoding.datastore import Datastore, tokenizer_identity
 from specrt.decoding.rest import RestDrafter, RestShape
 from specrt.decoding.run import (AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, METHODS, MODEL_FREE, PREFILL_CHUNK,  # noqa: F401
-                                 Chunk, Generation, _Run)   # (AUTO .. PREFILL_CHUNK, Chunk, Generation: the public names)
+                                 Chunk, Generation, Round, _Run)   # (AUTO .. PREFILL_CHUNK, Chunk, Generation, Round: public)
 
 
 class Generator:
@@ -240,7 +240,7 @@ class Generator:
                  adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None,
                  min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
-                 grammar: Grammar | tuple[str, object] | None = None) -> Generation:
+                 grammar: Grammar | tuple[str, object] | None = None, rounds: bool = False) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -261,21 +261,23 @@ class Generator:
         target's logits at every position in the context it has (processors.py): the output is the processed
         target's, with every method. `grammar`: the output follows it, ("json_object", None), ("json_schema",
         {...}), ("regex", "...") or ("grammar", Lark or GBNF text), or a grammar.compile_grammar() result: every
-        position's distribution is the target's masked to what the grammar allows there."""
-        rounds = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                              num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
-                              adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
-                              repetition_penalty, logit_bias, grammar)
+        position's distribution is the target's masked to what the grammar allows there. `rounds=True`:
+        `Generation.rounds` holds each sequence's Rounds, what every round drafted, accepted and kept (see Round)."""
+        loop = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                            num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
+                            adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
+                            repetition_penalty, logit_bias, grammar, rounds)
         while True:
             try:
-                next(rounds)
+                next(loop)
             except StopIteration as done:
                 return done.value
 
     def stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None, **options) -> Iterator[Chunk]:
         """`generate` for one sequence, as it goes: after every round a Chunk with the new tokens and the text they
         complete (decoded incrementally: a multi-byte character split across tokens waits for its last byte); the
-        last chunk carries the stats. `options` are generate's."""
+        last chunk carries the stats; with `rounds=True` each chunk has the Rounds that made its tokens. `options`
+        are generate's."""
         if options.get("num_return_sequences", 1) != 1:
             raise InputError(f"num_return_sequences {options['num_return_sequences']}: streaming gives one "
                              "sequence; use generate() for several")
@@ -283,20 +285,24 @@ class Generator:
             raise InputError("stream() takes one prompt; use generate() for a batch of prompts")
         rounds, text = self._rounds(prompt, prompt_ids, **options), Detokenizer(self.tokenizer)
         threads = torch.get_num_threads()   # the caller's, while it holds control
-        want = options.get("logprobs") is not None
+        want, logged = options.get("logprobs") is not None, 0
         while True:
             sent = text.count
             try:
                 run = next(rounds)
                 ids, stats = run.new_tokens(0) if run.batch else [], None
                 lps = run.rows[0].logprobs[sent:sent + len(ids)] if run.batch else []
+                log = run.rows[0].round_log if run.batch else None
             except StopIteration as done:
                 ids, stats = done.value.token_ids[0][sent:], done.value.stats
                 lps = done.value.logprobs[0][sent:] if want else []
+                log = done.value.rounds[0] if done.value.rounds else None
             if ids or stats is not None:
                 loop_threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
-                yield Chunk(ids, text.feed(ids, final=stats is not None), stats, lps if want else None)
+                yield Chunk(ids, text.feed(ids, final=stats is not None), stats, lps if want else None,
+                            log[logged:] if log is not None else None)
+                logged = len(log) if log is not None else 0
                 torch.set_num_threads(loop_threads)
             if stats is not None:
                 return
@@ -312,7 +318,7 @@ class Generator:
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
                 acceptance: str = "exact", logprobs: int | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logit_bias: dict[int, float] | None = None, grammar=None):
+                logit_bias: dict[int, float] | None = None, grammar=None, rounds: bool = False):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -336,7 +342,7 @@ class Generator:
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,
-                          penalties=penalties, grammar=grammar)
+                          penalties=penalties, grammar=grammar, rounds=rounds)
             prefill_time = time.perf_counter() - started
             outputs: list = [None] * (len(prompts) * n)
             while True:
@@ -573,28 +579,34 @@ class Generator:
             run.round_logprobs[b] = token_logprobs(logits[b, nodes], drafts[:n] + [nxt], run.params,
                                                    row.logprobs_top)
 
-    def _account(self, run: _Run, host: list[list[int]], first: int = 0, drafted: bool = True) -> tuple[int, int]:
+    def _account(self, run: _Run, host: list[list[int]], first: int = 0, drafted: bool = True,
+                 drafts: list[list[int]] | None = None) -> tuple[int, int]:
         """Host side of a commit, from the read: per row (from row `first`) the accepted count n, the next token,
         the proposal width, then the path's tokens (root first). Writes the mirrors (on the CPU, the device
         tensors themselves), the stop reasons and the acceptance counts (`drafted=False`: the proposal was what
-        the rows' grammars force, counted as forced tokens, not as drafts). Plain Python over the rows: for the
-        few rows of a batch it costs a fraction of numpy's per-call overhead."""
+        the rows' grammars force, counted as forced tokens, not as drafts); a row's own counts are of the accepted
+        drafts it keeps (a round its end cuts keeps fewer). Rows that keep a round log get the round (`drafts`: each
+        row's drafted tokens, see Round). Plain Python over the rows: for the few rows of a batch it costs a
+        fraction of numpy's per-call overhead."""
         accepted = proposed = 0
         active, lengths, tokens = run.active.tolist(), run.host_lengths.tolist(), run.host_tokens
         for b, (n, nxt, width, _root, *path) in enumerate(host, first):
             if not active[b]:
                 continue
             row = run.rows[b]
-            if drafted:
-                self._count_drafts(run, row, n, width)
-                accepted, proposed = accepted + n, proposed + width
-            else:
-                run.forced += n
             length = lengths[b]
             new = (path[:n] + [nxt])[:min(row.max_new + row.prompt_len, run.max_len) - length]
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
             if eos is not None:
                 new = new[:eos + 1]
+            if drafted:
+                self._count_drafts(run, row, n, width, kept=min(n, len(new)))
+                accepted, proposed = accepted + n, proposed + width
+            else:
+                run.forced += n
+            if row.round_log is not None:
+                row.round_log.append(Round(drafts[b - first] if drafts and drafted else [],
+                                           min(n, len(new)) if drafted else 0, new, 0 if drafted else min(n, len(new))))
             if b in run.round_logprobs:
                 row.logprobs += run.round_logprobs[b][:len(new)]
             if row.context is not None:
@@ -618,14 +630,16 @@ class Generator:
         return accepted, proposed
 
     @staticmethod
-    def _count_drafts(run: _Run, row, n: int, width: int) -> None:
-        """A row's round in the acceptance counts: n of its `width` drafts accepted."""
-        row.accepted, row.proposed = row.accepted + n, row.proposed + width
+    def _count_drafts(run: _Run, row, n: int, width: int, kept: int | None = None) -> None:
+        """A round in the acceptance counts: n of its `width` drafts accepted; the row's own counts take the `kept`
+        of them that are in its output (default n)."""
+        kept = n if kept is None else kept
+        row.accepted, row.proposed = row.accepted + kept, row.proposed + width
         if width:
             row.drafts += 1
             per = row.accepted_per_position
-            per += [0] * (n - len(per))
-            for i in range(n):
+            per += [0] * (kept - len(per))
+            for i in range(kept):
                 per[i] += 1
         for i in range(width):
             while len(run.per_position) <= i:

@@ -23,11 +23,32 @@ PREFILL_CHUNK = 128       # prompt tokens per prefill pass (see Generator): the 
 
 
 @dataclass
+class Round:
+    """What one round did for a row (Batch.join(rounds=True)): the drafter's tokens, how many of them the target
+    accepted, how many tokens the row's grammar forced (rounds without drafts), and the tokens it committed:
+    tokens[:accepted] (or tokens[:forced]) came from the drafter (the grammar), the last is the target's own (a
+    correction where it rejected a draft, else its bonus token). A round cut by the row's end (eos, its token limit)
+    commits fewer. A tree's drafted tokens: the branch the target followed, then the tree's first candidate where it
+    stopped."""
+    drafted: list[int]
+    accepted: int
+    tokens: list[int]
+    forced: int = 0
+
+    @property
+    def corrected(self) -> int | None:
+        """The target's token where it rejected a draft (None: every draft was accepted, or there was none)."""
+        k = self.accepted
+        return self.tokens[k] if k < len(self.drafted) and k < len(self.tokens) else None
+
+
+@dataclass
 class Generation:
     token_ids: list[list[int]]      # new tokens, one list per returned sequence
     text: list[str] | None          # decoded, when the engine set has a tokenizer
     stats: dict
     logprobs: list[list[TokenLogprob]] | None = None   # per sequence, one per new token (generate(logprobs=N))
+    rounds: list[list[Round]] | None = None   # per sequence, what each round drafted and kept (generate(rounds=True))
 
 
 @dataclass
@@ -37,6 +58,7 @@ class Chunk:
     text: str | None                # the text they complete (None without a tokenizer)
     stats: dict | None = None       # on the last chunk: generate()'s stats
     logprobs: list[TokenLogprob] | None = None   # the new tokens' (stream(logprobs=N))
+    rounds: list[Round] | None = None            # the rounds that made them (stream(rounds=True))
 
 
 @dataclass
@@ -53,6 +75,7 @@ class _Joining:
     penalties: Penalties | None = None   # its context-dependent logits processors
     grammar: Grammar | None = None       # its output's grammar (structured output)
     cached: int | None = None            # prompt positions from the prefix cache (None: not looked up yet)
+    rounds: bool = False                 # its rows keep a Round per round (_Row.round_log)
 
     @property
     def copies(self) -> int:
@@ -78,6 +101,8 @@ class _Row:
     penalties: Penalties | None = None   # processors of the target's logits at its positions, with...
     context: Context | None = None       # ...its tokens so far (processors.py)
     matcher: Matcher | None = None       # its place in its grammar, at its committed tokens
+    round_log: list[Round] | None = None  # each round's drafts and outcome, when asked for (Batch.join(rounds=True))
+    rounds_sent: int = 0                 # the entries of round_log already handed out
 
 
 class _Run:

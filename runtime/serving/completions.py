@@ -60,13 +60,15 @@ def _finish(stop_reason: str | None) -> str:
 @dataclass
 class Piece:
     """What a round added to one sequence: its text (cut at a stop string), token ids, their TokenLogprobs (None:
-    not asked for), at its end the finish reason and the sequence's figures, and its tool calls if it is one."""
+    not asked for), at its end the finish reason and the sequence's figures, its tool calls if it is one, and the
+    rounds that made it when asked for (the streaming extension `specrt.rounds`)."""
     text: str | None
     ids: list[int]
     logprobs: list | None = None
     reason: str | None = None
     stats: dict | None = None
     calls: list[dict] | None = None
+    rounds: list[dict] | None = None   # the rounds that made its tokens (specrt.rounds), None: not asked for
 
 
 # ---- tool calls ----------------------------------------------------------------------------------------------------
@@ -172,8 +174,9 @@ async def _held(first: Piece, pieces: AsyncIterator[Piece], tools: Tools) -> Asy
                 calls = parse_calls(text, tools.names) if piece.reason == "stop" else None
                 logprobs = None if all(p.logprobs is None for p in held) else \
                     [lp for p in held for lp in p.logprobs or []]
+                rounds = None if all(p.rounds is None for p in held) else [r for p in held for r in p.rounds or []]
                 yield Piece(None if calls else text, [t for p in held for t in p.ids], logprobs,
-                            "tool_calls" if calls else piece.reason, piece.stats, calls)
+                            "tool_calls" if calls else piece.reason, piece.stats, calls, rounds)
                 return
             piece = await anext(pieces)
         for piece in held:
@@ -310,6 +313,9 @@ class Server:
         if method not in self.methods:
             raise APIError(400, f"specrt.method {method!r}: {self.model_name} serves {', '.join(self.methods)}",
                            "specrt.method")
+        if req.n > 1 and req.specrt.rounds:
+            raise APIError(400, f"n {req.n}: specrt.rounds reports the rounds of one sequence; ask for n=1",
+                           "specrt.rounds")
         if req.n > 1 and req.stream:
             raise APIError(400, f"n {req.n}: a stream gives one choice; ask for n=1 or stream=false", "n")
         if req.n > self.scheduler.capacity:
@@ -327,7 +333,8 @@ class Server:
         return dict(max_new_tokens=max_tokens or self.max_len - len(ids), temperature=temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or req.specrt.top_k, seed=req.seed,
                     min_p=req.min_p or 0.0, method=method, gamma=req.specrt.gamma, tree=req.specrt.tree,
-                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, logprobs=self.logprobs(req),
+                    adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, rounds=req.specrt.rounds,
+                    logprobs=self.logprobs(req),
                     penalties=self.penalties(req), grammar=grammar,
                     stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [], "stop_token_ids")))
 
@@ -394,10 +401,10 @@ class Server:
         try:
             async for kind, _, *rest in events:
                 if kind == "tokens":
-                    new_ids, new, logprobs = rest
+                    new_ids, new, logprobs, rounds = rest
                     new, stopped = text.feed(new or "")
                     end = "stop" if stopped else end
-                    yield Piece(new, new_ids, logprobs, "stop" if stopped else None)
+                    yield Piece(new, new_ids, logprobs, "stop" if stopped else None, rounds=rounds)
                     if stopped:
                         return
                 else:
@@ -472,8 +479,11 @@ class Server:
         text, reason = "".join(piece.text or "" for piece in got), got[-1].reason
         calls = parse_calls(text, tools.names) if tools is not None and reason == "stop" else None
         choice = _choice(chat, 0, text, tokens, "tool_calls" if calls else reason, logprobs, calls=calls)
+        stats = got[-1].stats
+        if options["rounds"]:
+            stats = {**(stats or {}), "round_log": [r for piece in got for r in piece.rounds or []]}
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": _usage(ids, len(tokens), got[-1].stats), "specrt": got[-1].stats}
+                "usage": _usage(ids, len(tokens), got[-1].stats), "specrt": stats}
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
@@ -506,7 +516,7 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
 
     def event(choices: list, usage: dict | None = None, stats: dict | None = None) -> str:
         body = {**head, "choices": choices, **({"usage": usage} if include_usage else {}),
-                **({"specrt": stats} if stats else {})}
+                **({"specrt": stats} if stats else {})}   # the rounds' ({"rounds": [...]}), or the last chunk's figures
         return f"data: {json.dumps(body)}\n\n"
 
     if chat:
@@ -519,7 +529,8 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
             count += len(piece.ids)
             if piece.text or piece.ids:
                 lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
-                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)])
+                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)],
+                            stats={"rounds": piece.rounds} if piece.rounds is not None else None)
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
                 stats = piece.stats
                 yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=stats)

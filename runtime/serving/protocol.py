@@ -34,6 +34,8 @@ class SpecrtOptions(Forbid):
     tree: bool = False
     adaptive: bool = True
     acceptance: Literal[ACCEPTANCE] = "exact"  # typical: Medusa's typical acceptance, NOT the target's distribution
+    rounds: bool = Field(False, description="Streamed: each chunk's `specrt.rounds` says what the rounds that made "
+                         "its tokens drafted, accepted and corrected (docs/serving.md). Off: OpenAI's chunks alone.")
 
 
 class StreamOptions(Forbid):

@@ -31,8 +31,9 @@ def shutting_down() -> APIError:
 
 @dataclass(eq=False)
 class Job:
-    """One request's sequences in the scheduler. Its events, through `put`: ("tokens", index, ids, text, logprobs)
-    as rounds add tokens (their TokenLogprobs, or None when the request asked for none), ("end", index, stop reason,
+    """One request's sequences in the scheduler. Its events, through `put`: ("tokens", index, ids, text, logprobs,
+    rounds) as rounds add tokens (their TokenLogprobs, or None when the request asked for none; the rounds that made
+    them as dicts with each token's text, or None when the request asked for none), ("end", index, stop reason,
     text, stats) when sequence `index` ends (the text a split character held back), or an exception. A sequence that
     emits one of its `stop_token_ids` ends there: that token is its last (its text is not in the text), the tokens
     the round added after it are dropped, its stop reason is "stop_token"."""
@@ -261,7 +262,7 @@ class Scheduler:
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                             copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"),
-                            grammar=o.get("grammar"))
+                            grammar=o.get("grammar"), rounds=o.get("rounds", False))
             self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
@@ -326,7 +327,19 @@ class Scheduler:
                             None if first else now - latency.last)
         latency.handed(now, len(ids))
         logprobs = row.logprobs[sent:sent + len(ids)] if row.logprobs_top is not None else None
-        job.put(("tokens", index, ids, job.texts[index].feed(text), logprobs))
+        if row.round_log is None:
+            job.put(("tokens", index, ids, job.texts[index].feed(text), logprobs, None))
+            return
+        pieces = [job.texts[index].feed([t]) if k < len(text) else "" for k, t in enumerate(ids)]
+        rounds, rest = [], ids
+        for r in row.round_log[row.rounds_sent:]:   # the rounds that made these tokens (a stop token cuts them)
+            tokens, rest = r.tokens[:len(rest)], rest[len(r.tokens):]
+            texts, pieces = pieces[:len(tokens)], pieces[len(tokens):]
+            rounds.append({"tokens": tokens, "text": texts, "drafted": r.drafted,
+                           "accepted": min(r.accepted, len(tokens)), "forced": min(r.forced, len(tokens)),
+                           "corrected": r.corrected if r.accepted < len(tokens) else None})
+        row.rounds_sent = len(row.round_log)
+        job.put(("tokens", index, ids, "".join(t for r in rounds for t in r["text"]), logprobs, rounds))
 
     def _end(self, batch: Batch, row, tokens: list[int]) -> None:
         job, index = row.owner
