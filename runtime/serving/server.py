@@ -1,6 +1,7 @@
-"""An OpenAI-compatible HTTP API over one Generator: `specrt serve ENGINES`. The app is here: its routes, the API
-key and body limit in front of them (Guard), errors as OpenAI's error objects, the OpenAPI document, start and
-shutdown. The rest of the room, by seam (vLLM's `entrypoints/openai/` is the example):
+"""An OpenAI-compatible HTTP API over one Generator: `specrt serve ENGINES`. The app is here: its routes (GET / is
+the playground, a chat page of static/), the API key and body limit in front of them (Guard), errors as OpenAI's
+error objects, the OpenAPI document, start and shutdown. The rest of the room, by seam (vLLM's `entrypoints/openai/`
+is the example):
 
 - protocol: the request schema (the fields served, those accepted with no effect, those refused) and the errors;
 - completions: a request's options for the generator and its answers, JSON or server-sent events;
@@ -27,7 +28,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 import uvicorn
 from starlette.exceptions import HTTPException
 
@@ -51,6 +52,9 @@ ANSWERS = {200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
 
 REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}   # each route's schema
 
+PLAYGROUND = Path(__file__).with_name("static") / "playground.html"   # GET /: a chat page over the API
+PUBLIC = ("/health", "/")   # served without the API key: liveness, and the page (its API calls carry the key)
+
 MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
 
 # the prefix cache's default bound: PREFIX_CACHE_MB, or less where that is more than 1/PREFIX_CACHE_SHARE of the
@@ -67,7 +71,7 @@ def _too_large(limit: int) -> str:
 
 class Guard:
     """ASGI middleware in front of the app: the API key (`Authorization: Bearer KEY`, compared in constant time;
-    every path but /health) and the request body's size limit (413), before anything reads the body."""
+    every path but PUBLIC's) and the request body's size limit (413), before anything reads the body."""
 
     def __init__(self, app, api_key: str | None = None, max_body: int = MAX_BODY_BYTES):
         self.app, self.max_body = app, max_body
@@ -77,7 +81,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] != "/health" and \
+        if self.expected is not None and scope["path"] not in PUBLIC and \
                 not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
             response = APIError(401, "no valid API key: send the server's key as `Authorization: Bearer KEY` (the "
                                      "openai client's api_key)", code="invalid_api_key").response()
@@ -102,7 +106,7 @@ class Guard:
 @dataclass(frozen=True)
 class Limits:
     """Who may call and how much (`specrt serve`'s --api-key, --max-waiting, --request-timeout, --max-body-bytes)."""
-    api_key: str | None = None          # requests must carry `Authorization: Bearer KEY` (all paths but /health)
+    api_key: str | None = None          # requests must carry `Authorization: Bearer KEY` (all but PUBLIC's paths)
     max_waiting: int | None = None      # requests waiting for a row beyond this get a 429 (None: no bound)
     request_timeout: float | None = None   # seconds from a request's arrival to its end (None: no limit)
     max_body_bytes: int = MAX_BODY_BYTES
@@ -158,6 +162,12 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
                 **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
                    if cache is not None else {}),
                 **({"prefix_cache": prefixes.stats()} if prefixes is not None else {})}
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground():
+        """The playground: a chat page that streams from /v1/chat/completions and marks each round's accepted
+        drafts (static/playground.html: HTML, CSS and JavaScript in one file)."""
+        return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def metrics():
