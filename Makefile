@@ -14,7 +14,7 @@ EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
 .PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle train-eagle3 eagle-traces gpu-check check-large \
-        datastore-stdlib datastore-distill engines-gemma3 check-gemma3
+        datastore-stdlib datastore-distill engines-gemma3 check-gemma3 llama-server
 .DELETE_ON_ERROR:
 
 help:
@@ -31,6 +31,8 @@ help:
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make train-eagle3  train an EAGLE-3 drafter into build/eagle3-smollm2 (resumable; about 1.5 h on 2 cores)"
 	@echo "make eagle-traces  record the EAGLE drafter's acceptance that gpu-check projects its speedup from"
+	@echo "make llama-server  llama.cpp's server from the llama-cpp-python $(LLAMA_CPP_PY) sources into $(LLAMA_SERVER), for the"
+	@echo "             prefix-cache measurement's llama.cpp columns (not in make test; about 20 min on 2 cores)"
 	@echo "make datastore-stdlib / datastore-distill  --method rest's datastores: Python's standard library, or the"
 	@echo "             target's own answers of make train-data (docs/model-free.md)"
 
@@ -132,6 +134,29 @@ GEMMA3_TOKENS  ?= 32
 check-gemma3: engines-gemma3 $(TESTED)
 	SPECRT_GEMMA3=$(GEMMA3) SPECRT_GEMMA3_PROMPTS=$(GEMMA3_PROMPTS) SPECRT_GEMMA3_TOKENS=$(GEMMA3_TOKENS) \
 	    $(PY) -m pytest -q tests/test_gguf_target.py -k gemma3_270m
+
+# llama.cpp's own server (tools/server) for `python -m specrt.measurement.bench prefix-cache --llama-server`
+# (docs/notes/2026-12-prefix-cache.md): the llama.cpp sources vendored in the llama-cpp-python sdist (0.3.36 is the
+# version of the `llamacpp` extra measured beside it); a static binary without libcurl. Not in make test (about 20
+# minutes on 2 cores).
+LLAMA_CPP_PY := 0.3.36
+LLAMA_CPP    := build/llama.cpp
+LLAMA_SRC    := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
+LLAMA_SERVER := $(LLAMA_CPP)/bin/llama-server
+
+$(LLAMA_SRC)/CMakeLists.txt: | $(STAMP)
+	mkdir -p $(LLAMA_CPP)
+	$(PIP) download -q --no-deps --no-binary :all: "llama-cpp-python==$(LLAMA_CPP_PY)" -d $(LLAMA_CPP)
+	tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(LLAMA_CPP)
+	touch $@
+
+$(LLAMA_SERVER): $(LLAMA_SRC)/CMakeLists.txt
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_CPP)/cmake -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF \
+	    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_CPP)/cmake --target llama-server -j2
+	mkdir -p $(@D) && cp $(LLAMA_CPP)/cmake/bin/llama-server $@
+
+llama-server: $(LLAMA_SERVER)
 
 DISTILL := build/distill
 TRAIN   := $(SPECRT) train
