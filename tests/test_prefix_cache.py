@@ -156,9 +156,16 @@ def conversation(gen, method: str, cache: PrefixCache | None, turns: int = 4, re
     return out
 
 
-def hit_tokens(prompts: list[list[int]]) -> list[int]:
-    """What each turn finds: the last prompt's whole blocks, but the new prompt's last token."""
-    return [0] + [min(len(a), len(b) - 1) // B * B for a, b in zip(prompts, prompts[1:])]
+def common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def hit_tokens(turns: list[tuple[list[int], list[int]]]) -> list[int]:
+    """What each turn (prompt, answer) finds: the whole blocks it shares with an earlier prompt, or with an
+    earlier prompt and answer but the answer's last token (finished rows are kept too), but its own last token."""
+    kept = [seq for prompt, answer in turns for seq in (prompt, (prompt + answer)[:-1])]
+    return [max((min(common(seq, prompt), len(prompt) - 1) // B * B for seq in kept[:2 * t]), default=0)
+            for t, (prompt, _) in enumerate(turns)]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -174,8 +181,9 @@ def test_multi_turn_output_is_the_output_without_the_cache(engines, method):
         assert_same_or_tie(ours, ref, prompt, model)
         if ours == ref:   # the drafters' state after a hit is theirs after a full prefill: the same rounds
             assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
-    expected = hit_tokens([p for p, _, _ in on])
+    expected = hit_tokens([(p, a) for p, a, _ in on])
     assert [s["prefix_cache_tokens"] for _, _, s in on] == expected and all(expected[1:])
+    assert any(e > len(p) // B * B for e, (p, _, _) in zip(expected[1:], on))   # answers' blocks served
     assert [s["prompt_tokens"] for _, _, s in on] == [len(p) for p, _, _ in on]
     assert [s["prefix_cache_tokens"] for _, _, s in off] == [0] * 4
     stats = cache.stats()
@@ -331,7 +339,7 @@ def test_eagle3_restores_from_the_cached_aux_states(tmp_path):
         assert_same_or_tie(ours, ref, prompt, model)
         if ours == ref:
             assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
-    assert [s["prefix_cache_tokens"] for _, _, s in on] == hit_tokens([p for p, _, _ in on])
+    assert [s["prefix_cache_tokens"] for _, _, s in on] == hit_tokens([(p, a) for p, a, _ in on])
     assert {part for part, _ in cache._entries} == {"target", "aux"}
 
 

@@ -284,6 +284,9 @@ class Batch:
             return []
         done = [b for b, a in enumerate(active) if not a]
         finished = [(run.rows[b], run.output(b)) for b in done]
+        if self.gen.prefix_cache is not None:   # a chat's next turn resends this prompt and answer
+            for b in done:
+                self._keep(b)
         if self.gen.suffix_cache is not None:   # suffix decoding: later requests draft from these outputs
             for _, tokens in finished:
                 if len(tokens) > 1:
@@ -307,6 +310,15 @@ class Batch:
             run.tokens.copy_(torch.from_numpy(run.host_tokens))
             run.lengths.copy_(torch.from_numpy(run.host_lengths))
         return finished
+
+    def _keep(self, b: int) -> None:
+        """A finished row's prompt and answer into the prefix cache: its whole blocks but the last token's (whose
+        keys and values no pass has computed yet), the target's and what the drafter keeps of a finished row."""
+        run, n = self.run, int(self.run.host_lengths[b]) - 1
+        parts = {"target": (run.pool.data[:, b], 2, n)}                             # (2L, Hkv, Smax, D)
+        if self.drafter is not None:
+            parts |= self.drafter.cache_parts(b, n, finished=True)
+        self.gen.prefix_cache.store(run.host_tokens[b, :n].tolist(), parts)
 
     # ---- a round ------------------------------------------------------------------------------------------
     def step(self) -> None:

@@ -88,7 +88,7 @@ class RowlessDrafter:
     def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
         pass
 
-    def cache_parts(self, row: int, m: int) -> dict:
+    def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
         return {}
 
     def join(self, run, row: int, copies: int) -> None:
@@ -148,10 +148,11 @@ class DraftModelDrafter:
         for start in range(done, hit.tokens, chunk):
             self._prefill(run, row, prompt, start, min(chunk, hit.tokens - start))
 
-    def cache_parts(self, row: int, m: int) -> dict:
-        """What the prefix cache keeps of a row after its prompt's prefill: its keys and values over the prompt but
-        its last token (PrefixCache.store's (tensor, position axis, positions held))."""
-        return {"draft": (self.pool.data[:, row], 2, m - 1)}                  # (2L, Hkv, Smax, D)
+    def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
+        """What the prefix cache keeps of a row after its prompt's prefill (m: the prompt's length): its keys and
+        values over the prompt but its last token (PrefixCache.store's (tensor, position axis, positions held)).
+        Of a `finished` row, nothing: its cache lags the row's tokens by a round (a later hit prefills it)."""
+        return {} if finished else {"draft": (self.pool.data[:, row], 2, m - 1)}   # (2L, Hkv, Smax, D)
 
     def join(self, run, row: int, copies: int) -> None:
         """The prefilled row to the request's other rows."""

@@ -145,9 +145,10 @@ class EagleDrafter:
         for start in range(0, hit.tokens, chunk):
             self.prefill(run, row, prompt, start, states[:, start:start + chunk])
 
-    def cache_parts(self, row: int, m: int) -> dict:
-        """What the prefix cache keeps of a row after its prompt's prefill: the target's states at the prompt's
-        positions (PrefixCache.store's (tensor, position axis, positions held))."""
+    def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
+        """What the prefix cache keeps of a row after its prompt's prefill, or of a `finished` row: the target's
+        states at its first m positions (PrefixCache.store's (tensor, position axis, positions held)); a finished
+        row has them for all its tokens but the last (each round's pass gave those of its path, see observe)."""
         return {self.cache_needs[0]: (self._history[row], 0, m)}             # (Smax, d)
 
     def join(self, run, row: int, copies: int) -> None:
