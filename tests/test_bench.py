@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import export_tiny, tiny_model
+from conftest import REPO, export_tiny, tiny_model
 from specrt.measurement import llamacpp, rss
 from specrt.measurement.bench import bench, load_prompts
 from specrt.errors import InputError
@@ -251,3 +252,105 @@ def test_long_prompts_are_long_and_need_engines_that_hold_them(default_engines, 
     assert result.exit_code == 1 and "--max-seq-len" in result.output and "(e.g. 8192)" in result.output
     assert CliRunner().invoke(bench, [str(default_engines), "--long-prompts", "--prompts", str(
         write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": [1]}]))]).exit_code == 2
+
+
+# ---- the prefix-cache measurement with llama.cpp's server beside specrt -----------------------------------------
+# A stream llama-server (llama.cpp 0.5.0-dev, build 1, commit 0c1e570) wrote for a 70-token prompt whose first 53
+# tokens its slot held, 3 new tokens (the final event's generation_settings and prompt left out), then an end of
+# generation and a keep-alive comment as the server can send them.
+LLAMA_STREAM = [
+    b'data: {"index":0,"content":" al","tokens":[360],"stop":false,"id_slot":-1,"tokens_predicted":1,'
+    b'"tokens_evaluated":70}\n', b'\n',
+    b'data: {"index":0,"content":"s","tokens":[99],"stop":false,"id_slot":-1,"tokens_predicted":2,'
+    b'"tokens_evaluated":70}\n', b'\n', b': ping\n', b'\n',
+    b'data: {"index":0,"content":" al","tokens":[360],"stop":false,"id_slot":-1,"tokens_predicted":3,'
+    b'"tokens_evaluated":70}\n', b'\n',
+    b'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"tokens_predicted":3,"tokens_evaluated":70,'
+    b'"has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":72,"timings":'
+    b'{"cache_n":53,"prompt_n":17,"prompt_ms":2482.138,"prompt_per_token_ms":146.0081176470588,"prompt_per_second":'
+    b'6.848934265540433,"predicted_n":3,"predicted_ms":1711.954,"predicted_per_token_ms":855.977,'
+    b'"predicted_per_second":1.1682556891131421}}\n', b'\n',
+]
+
+
+def test_llama_server_stream_is_read_token_by_token():
+    """A /completion stream as llama-server writes it: each partial event's token in order, the first token timed at
+    its event, the final event's cached and prefilled tokens; a token the stream did not carry, an error event and a
+    stream cut before its final event are all reported."""
+    from specrt.measurement.llama_server import parse_stream, read_completion
+    from specrt.errors import BackendError
+    times = iter([1.5, 3.0])   # the first token, the end
+    events = list(parse_stream(LLAMA_STREAM))
+    assert len(events) == 4
+    got = read_completion(events, started=1.0, clock=lambda: next(times))
+    assert got["ids"] == [360, 99, 360] and got["ttft_s"] == 0.5 and got["total_s"] == 2.0
+    assert (got["cached_tokens"], got["prefilled_tokens"], got["prompt_tokens"]) == (53, 17, 70)
+    assert got["complete_ids"] and got["server_prompt_ms"] == pytest.approx(2482.138)
+    assert not read_completion(events[1:], started=0.0)["complete_ids"]
+    with pytest.raises(BackendError, match="exceeds the available context"):
+        list(parse_stream([b'data: {"error":{"code":400,"message":"request (2100 tokens) exceeds the available '
+                           b'context size (2048 tokens)","type":"exceed_context_size_error"}}\n']))
+    with pytest.raises(BackendError, match="without its final event"):
+        read_completion(events[:-1], started=0.0)
+
+
+def test_prefix_cache_table_puts_llama_cpp_beside_specrt():
+    """The prefix-cache table with llama.cpp's arms: every line as wide as its header, llama.cpp's means over the
+    requests where specrt's cache hit, its first differing token, and how many of its answers equal specrt's."""
+    from specrt.measurement.bench import prefix_cache_table
+
+    def arm(ttft, total, cached, at="same"):
+        extra = {} if at == "same" else {"same_as_specrt": at is None, "diverges_at": at}
+        return {"ttft_s": ttft, "total_s": total, "prompt_tokens": 100, "cached_tokens": cached, **extra}
+    rows = [{"scenario": "chat", "method": "autoregressive", "item": f"81 turn {t}", "same_output": True,
+             "off": arm(1.0, 2.0, 0), "on": arm(0.5, 1.5, 64 * (t - 1)),
+             "llama.cpp off": arm(0.8, 1.0, 0, None), "llama.cpp on": arm(0.2, 0.4, 70 * (t - 1), at)}
+            for t, at in ((1, None), (2, 5))]
+    lines = prefix_cache_table(rows)
+    tables = [[line for line in block.split("\n") if line] for block in "\n".join(lines).split("\n\n")]
+    for table in tables[:2]:
+        assert len({line.count("|") for line in table}) == 1, table
+    assert tables[0][2].endswith("| 0 | 0.80 | 0.20 | 1.00 | 0.40 | yes |")
+    assert tables[0][3].endswith("| 70 | 0.80 | 0.20 | 1.00 | 0.40 | off: yes, on: from token 5 |")
+    assert tables[1][2] == ("| chat | autoregressive | 1 | 64 | 1.00 | 0.50 | 2.0x | 2.00 | 1.50 | 0.80 | 0.20 | 4.0x "
+                            "| 1.00 | 0.40 |")
+    assert tables[2] == ["llama.cpp's answers token-identical to specrt's (cache off): 2 of 2 with cache_prompt off, "
+                         "1 of 2 with it on."]
+    assert "llama.cpp" not in "\n".join(prefix_cache_table([{k: v for k, v in r.items() if "llama" not in k}
+                                                            for r in rows]))
+
+
+@pytest.mark.slow
+def test_prefix_cache_runs_beside_llama_server(default_engines, tmp_path):
+    """`bench prefix-cache --llama-server`: a two-turn chat and two requests under one system prompt go to specrt
+    and to llama.cpp's server, cache_prompt off and on; llama.cpp's "on" arm serves the second turn and the second
+    request from its slot, its "off" arm never, and its slot is emptied where specrt's cache is made anew (the
+    first request under the system prompt shares the chat's first tokens, and finds none). Runs where the binary is
+    (make llama-server, or $SPECRT_LLAMA_SERVER)."""
+    from specrt.measurement.bench import prefix_cache_bench
+    from specrt.measurement.llama_server import BUILT, ENV, binary
+    from specrt.errors import BackendError
+    try:
+        path = binary(os.environ.get(ENV) or REPO / BUILT)
+    except BackendError:
+        pytest.skip(f"no llama-server binary ({BUILT} or ${ENV}): make llama-server")
+    out = tmp_path / "prefix-cache.json"
+    result = CliRunner().invoke(prefix_cache_bench, [
+        str(default_engines), "--methods", "autoregressive", "--chats", "1", "--turns", "2", "--requests", "2",
+        "--system-tokens", "160", "--max-new-tokens", "8", "--threads", "2", "--llama-server", str(path),
+        "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    r = json.loads(out.read_text())
+    rows = r["rows"]
+    assert [x["item"] for x in rows] == ["81 turn 1", "81 turn 2", "request 1", "request 2"]
+    for x in rows:
+        off, on = x["llama.cpp off"], x["llama.cpp on"]
+        assert off["prompt_tokens"] == on["prompt_tokens"] == x["on"]["prompt_tokens"]
+        assert off["cached_tokens"] == 0 and 0 < off["tokens"] <= 8 and 0 < on["tokens"] <= 8
+        assert off["ttft_s"] <= off["total_s"] and on["ttft_s"] <= on["total_s"]
+        assert off["same_as_specrt"] == (off["diverges_at"] is None)
+    cached = [x["llama.cpp on"]["cached_tokens"] for x in rows]
+    assert cached[0] == cached[2] == 0, cached
+    assert cached[1] >= rows[1]["on"]["cached_tokens"] > 0 and cached[3] >= rows[3]["on"]["cached_tokens"] > 0
+    assert "llama.cpp first token off s" in result.output and "llama.cpp's answers token-identical" in result.output
+    assert "llama-server" in r["machine"]["versions"]

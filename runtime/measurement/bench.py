@@ -578,14 +578,66 @@ def _first_token(gen, ids: list[int], method: str, max_new: int) -> dict:
 
 def prefix_cache_runs(engines: Path, methods=("autoregressive", "eagle"), chats: int = 2, turns: int = 4,
                       requests: int = 4, system_tokens: int = 1900, max_new: int = 64, mb: float = 512,
-                      threads: int | None = None, log=print) -> list[dict]:
+                      threads: int | None = None, log=print, llama_server: Path | None = None) -> list[dict]:
     """Each request twice, back to back: without the prefix cache, then with it (one cache per conversation or
     request set). Multi-turn chats: MT-Bench's two turns carried on with FOLLOW_UPS to `turns` turns, each turn's
     prompt the chat so far (the answers are the run without the cache's); requests sharing a system prompt of
-    about `system_tokens` tokens (the first packaged long prompt, cut) with MT-Bench questions."""
+    about `system_tokens` tokens (the first packaged long prompt, cut) with MT-Bench questions.
+
+    `llama_server` (the llama-server binary): right after specrt's two runs, the same prompt token ids go to
+    llama.cpp's server on the GGUF file the target came from, the same threads, `cache_prompt` off then on (two
+    servers, one slot each, so that the "on" slot holds only the "on" requests; emptied where specrt's cache is
+    made anew): each arm's times, cached tokens and where its answer first differs from specrt's."""
     from specrt.decoding.generate import Generator
-    from specrt.decoding.prefix_cache import PrefixCache
     gen = Generator.from_engines(engines, threads=threads)
+    peers = _llama_servers(engines, llama_server, threads) if llama_server is not None else {}
+    try:
+        return _prefix_cache_rows(gen, peers, methods, chats, turns, requests, system_tokens, max_new, mb, log)
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+# llama.cpp's threads wait for each other at every op through OpenMP, which spins first: on a machine whose cores other
+# processes use too, a spinning thread holds a core the one it waits for needs, and a decode step took 180-1,700 ms
+# instead of 8 in 4 of 16 requests (2 threads, 2 cores, load 2.5-3.3); passive waiting: 12-25 ms, none slower.
+LLAMA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _llama_servers(engines: Path, path: Path, threads: int | None) -> dict:
+    """The llama.cpp arms' servers, "off" and "on", over the target's GGUF file, its max_seq_len positions, with
+    LLAMA_ENV."""
+    from specrt.engines.base import default_threads
+    from specrt.engines.manifest import read_manifest
+    from specrt.measurement.llama_server import LlamaServer
+    target = read_manifest(engines)["models"]["target"]
+    gguf = llamacpp.gguf_file(target)
+    peers = {}
+    try:
+        for arm in ("off", "on"):
+            peers[arm] = LlamaServer(gguf, target["max_seq_len"], threads or default_threads(), path, env=LLAMA_ENV)
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        raise
+    return peers
+
+
+def _llama_arms(peers: dict, ids: list[int], reference: list[int], max_new: int) -> dict:
+    """The request through llama.cpp's server, cache_prompt off then on; each arm's answer against specrt's
+    (`reference`): `same_as_specrt`, and `diverges_at` (its first differing token, None where identical)."""
+    arms = {}
+    for arm in ("off", "on"):
+        got = peers[arm].complete(ids, max_new, cache_prompt=arm == "on")
+        out = got.pop("ids")
+        at = llamacpp.first_divergence(reference, out)
+        arms[f"llama.cpp {arm}"] = {**got, "tokens": len(out), "same_as_specrt": at is None, "diverges_at": at}
+    return arms
+
+
+def _prefix_cache_rows(gen, peers: dict, methods, chats, turns, requests, system_tokens, max_new, mb, log):
+    """prefix_cache_runs' requests on `gen` (and `peers`, the llama.cpp servers by arm, where given)."""
+    from specrt.decoding.prefix_cache import PrefixCache
     tok = gen.tokenizer
 
     def encode(messages):
@@ -602,10 +654,20 @@ def prefix_cache_runs(engines: Path, methods=("autoregressive", "eagle"), chats:
             arms[arm] = _first_token(gen, ids, method, max_new)
         gen.prefix_cache = None
         off, on = (arms[a].pop("ids") for a in ("off", "on"))
+        if peers:
+            arms.update(_llama_arms(peers, ids, off, max_new))
         rows.append({**row, **arms, "same_output": on == off})
         log(f"{row['scenario']} {method} {row['item']}: {len(ids)} tokens ({arms['on']['cached_tokens']} cached), "
-            f"first token {arms['off']['ttft_s']:.2f} s -> {arms['on']['ttft_s']:.2f} s")
+            f"first token {arms['off']['ttft_s']:.2f} s -> {arms['on']['ttft_s']:.2f} s" + "".join(
+                f"; llama.cpp {arms[k]['ttft_s']:.2f} s ({arms[k]['cached_tokens']} cached)"
+                for k in ("llama.cpp off", "llama.cpp on") if k in arms))
         return off
+
+    def fresh_cache():
+        """A new specrt cache, and the llama.cpp "on" slot emptied: each conversation and request set starts cold."""
+        if peers:
+            peers["on"].erase()
+        return PrefixCache.of_mb(mb)
 
     chat_rows = [json.loads(r) for r in resources.files("specrt").joinpath(f"data/{MT_BENCH}").read_text()
                  .splitlines()[:chats]]
@@ -615,40 +677,70 @@ def prefix_cache_runs(engines: Path, methods=("autoregressive", "eagle"), chats:
                  .read_text().splitlines()[chats:chats + requests]]
     for method in methods:
         for chat in chat_rows:
-            cache, messages = PrefixCache.of_mb(mb), []
+            cache, messages = fresh_cache(), []
             for t, text in enumerate((list(chat["turns"]) + list(FOLLOW_UPS))[:turns]):
                 messages.append({"role": "user", "content": text})
                 answer = run({"scenario": "chat", "method": method, "item": f"{chat['id']} turn {t + 1}"},
                              encode(messages), cache, method)
                 messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-        cache = PrefixCache.of_mb(mb)
+        cache = fresh_cache()
         for i, q in enumerate(questions):
             run({"scenario": "shared system prompt", "method": method, "item": f"request {i + 1}"},
                 encode([{"role": "system", "content": system}, {"role": "user", "content": q}]), cache, method)
     return rows
 
 
+LLAMA_ARMS = ("llama.cpp off", "llama.cpp on")   # the rows' llama.cpp arms (prefix_cache_runs' llama_server)
+
+
+def _agreement(r: dict) -> str:
+    """llama.cpp's answers against specrt's: yes, or the first differing token of each arm."""
+    off, on = (r[a]["diverges_at"] for a in LLAMA_ARMS)
+    if off == on:
+        return "yes" if off is None else f"from token {off}"
+    return ", ".join(f"{arm}: {'yes' if at is None else f'from token {at}'}" for arm, at in (("off", off), ("on", on)))
+
+
 def prefix_cache_table(rows: list[dict]) -> list[str]:
     """Markdown: each request's time to first token and total time without and with the cache, then per scenario
-    and method the means over the requests that found a cached prefix."""
+    and method the means over the requests that found a cached prefix; where the rows have llama.cpp's arms, its
+    figures for the same requests beside specrt's, and how many of its answers are token-identical to specrt's."""
+    peer = bool(rows) and all(a in r for r in rows for a in LLAMA_ARMS)
+    extra = " llama.cpp cached | llama.cpp first token off s | on s | total off s | on s | llama.cpp = specrt |"
     lines = ["| scenario | method | request | prompt tokens | cached | first token off s | on s | total off s | on s "
-             "| same output |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| same output |" + (extra if peer else ""), "|---" * (10 + 6 * peer) + "|"]
     for r in rows:
-        lines.append(f"| {r['scenario']} | {r['method']} | {r['item']} | {r['on']['prompt_tokens']} | "
-                     f"{r['on']['cached_tokens']} | {r['off']['ttft_s']:.2f} | {r['on']['ttft_s']:.2f} | "
-                     f"{r['off']['total_s']:.2f} | {r['on']['total_s']:.2f} | {'yes' if r['same_output'] else 'no'} |")
+        line = (f"| {r['scenario']} | {r['method']} | {r['item']} | {r['on']['prompt_tokens']} | "
+                f"{r['on']['cached_tokens']} | {r['off']['ttft_s']:.2f} | {r['on']['ttft_s']:.2f} | "
+                f"{r['off']['total_s']:.2f} | {r['on']['total_s']:.2f} | {'yes' if r['same_output'] else 'no'} |")
+        if peer:
+            off, on = (r[a] for a in LLAMA_ARMS)
+            line += (f" {on['cached_tokens']} | {off['ttft_s']:.2f} | {on['ttft_s']:.2f} | {off['total_s']:.2f} | "
+                     f"{on['total_s']:.2f} | {_agreement(r)} |")
+        lines.append(line)
+    extra = " llama.cpp first token off s | on s | speedup | total off s | on s |"
     lines += ["", "| scenario | method | requests with a hit | mean cached tokens | first token off s | on s | "
-              "speedup | total off s | on s |", "|---|---|---|---|---|---|---|---|---|"]
+              "speedup | total off s | on s |" + (extra if peer else ""), "|---" * (9 + 5 * peer) + "|"]
+    arms = ("off", "on") + (LLAMA_ARMS if peer else ())
     for key in dict.fromkeys((r["scenario"], r["method"]) for r in rows):
         hit = [r for r in rows if (r["scenario"], r["method"]) == key and r["on"]["cached_tokens"]]
         if not hit:
             continue
-        mean = {f"{a}_{k}": float(np.mean([r[a][k] for r in hit]))
-                for a in ("off", "on") for k in ("ttft_s", "total_s")}
+        mean = {(a, k): float(np.mean([r[a][k] for r in hit])) for a in arms for k in ("ttft_s", "total_s")}
         cached = np.mean([r["on"]["cached_tokens"] for r in hit])
-        lines.append(f"| {key[0]} | {key[1]} | {len(hit)} | {cached:.0f} | {mean['off_ttft_s']:.2f} | "
-                     f"{mean['on_ttft_s']:.2f} | {mean['off_ttft_s'] / mean['on_ttft_s']:.1f}x | "
-                     f"{mean['off_total_s']:.2f} | {mean['on_total_s']:.2f} |")
+        line = (f"| {key[0]} | {key[1]} | {len(hit)} | {cached:.0f} | {mean['off', 'ttft_s']:.2f} | "
+                f"{mean['on', 'ttft_s']:.2f} | {mean['off', 'ttft_s'] / mean['on', 'ttft_s']:.1f}x | "
+                f"{mean['off', 'total_s']:.2f} | {mean['on', 'total_s']:.2f} |")
+        if peer:
+            off, on = LLAMA_ARMS
+            line += (f" {mean[off, 'ttft_s']:.2f} | {mean[on, 'ttft_s']:.2f} | "
+                     f"{mean[off, 'ttft_s'] / mean[on, 'ttft_s']:.1f}x | {mean[off, 'total_s']:.2f} | "
+                     f"{mean[on, 'total_s']:.2f} |")
+        lines.append(line)
+    if peer:
+        same = {a: sum(r[a]["same_as_specrt"] for r in rows) for a in LLAMA_ARMS}
+        lines += ["", f"llama.cpp's answers token-identical to specrt's (cache off): {same[LLAMA_ARMS[0]]} of "
+                      f"{len(rows)} with cache_prompt off, {same[LLAMA_ARMS[1]]} of {len(rows)} with it on."]
     return lines
 
 
@@ -661,13 +753,29 @@ def prefix_cache_table(rows: list[dict]) -> list[str]:
 @click.option("--system-tokens", default=1900, show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--prefix-cache", "mb", default=512.0, show_default=True, help="The cache's size in MB.")
-@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores).")
+@click.option("--threads", default=None, type=int, help="Engine threads (default: all cores); llama.cpp's too.")
+@click.option("--llama-server", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="llama.cpp's server binary (make llama-server: build/llama.cpp/bin/llama-server): the same "
+                   "requests' token ids, right after specrt's, to two of its servers on the target's GGUF file, "
+                   "cache_prompt off and on, as columns beside specrt's.")
 @click.option("--out", default="prefix-cache.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
-def prefix_cache_bench(engines, methods, chats, turns, requests, system_tokens, max_new_tokens, mb, threads, out):
+def prefix_cache_bench(engines, methods, chats, turns, requests, system_tokens, max_new_tokens, mb, threads,
+                       llama_server, out):
     """Time to first token and total time with the prefix cache off and on, side by side (prefix_cache_runs)."""
-    rows = prefix_cache_runs(engines, tuple(methods.split(",")), chats, turns, requests, system_tokens,
-                             max_new_tokens, mb, threads, log=lambda line: click.echo(line, err=True))
-    out.write_text(json.dumps({"machine": machine_info(threads or os.cpu_count()), "rows": rows}, indent=1))
+    load = _load()
+    try:
+        rows = prefix_cache_runs(engines, tuple(methods.split(",")), chats, turns, requests, system_tokens,
+                                 max_new_tokens, mb, threads, log=lambda line: click.echo(line, err=True),
+                                 llama_server=llama_server)
+    except SpecrtError as e:
+        raise click.ClickException(str(e)) from e
+    from specrt.engines.base import default_threads
+    info = {**machine_info(threads or default_threads()), "load_average_start": load}
+    if llama_server is not None:
+        from specrt.measurement.llama_server import version
+        info["versions"]["llama-server"] = version(llama_server)
+        info["llama_server_env"] = LLAMA_ENV
+    out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     click.echo("\n".join(prefix_cache_table(rows)))
 
 
