@@ -14,7 +14,7 @@ EAGLE  ?= export/drafters/smollm2-135m-eagle
 TORCH  ?= torch==2.13.0
 
 .PHONY: setup engines engines-int4 demo test bench clean help train-data train-draft train-medusa train-eagle train-eagle3 eagle-traces gpu-check check-large \
-        datastore-stdlib datastore-distill engines-gemma3 check-gemma3 llama-server
+        datastore-stdlib datastore-distill engines-gemma3 check-gemma3 datastore-stdlib-gemma3 bench-gemma3 llama-server
 .DELETE_ON_ERROR:
 
 help:
@@ -27,6 +27,7 @@ help:
 	@echo "make check-large  a random-weight 1.1 B Llama exported, built, run: tokens and peak memory (not in make test)"
 	@echo "make engines-gemma3  Gemma 3 270M from its Q4_K_M GGUF file (PyPI), float32 and int4 (not in make test);"
 	@echo "             make check-gemma3: its greedy output against transformers' reading of the file"
+	@echo "             make bench-gemma3: its engines beside llama.cpp on the file (docs/bench-gemma3)"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make train-eagle3  train an EAGLE-3 drafter into build/eagle3-smollm2 (resumable; about 1.5 h on 2 cores)"
@@ -134,6 +135,18 @@ GEMMA3_TOKENS  ?= 32
 check-gemma3: engines-gemma3 $(TESTED)
 	SPECRT_GEMMA3=$(GEMMA3) SPECRT_GEMMA3_PROMPTS=$(GEMMA3_PROMPTS) SPECRT_GEMMA3_TOKENS=$(GEMMA3_TOKENS) \
 	    $(PY) -m pytest -q tests/test_gguf_target.py -k gemma3_270m
+
+# --method rest's stdlib datastore in Gemma's tokenizer (a datastore holds token ids: only engine sets of its tokenizer
+# can use it), and the bench of docs/bench-gemma3: float32 and int4, autoregressive, ngram and rest, beside llama.cpp
+# on the same file (the llamacpp extra). About 7 minutes on 2 quiet cores.
+datastore-stdlib-gemma3: $(GEMMA3)/manifest.json
+	$(SPECRT) datastore build "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+	    $(STDLIB_EXCLUDE) --engines $(GEMMA3) --out $(DATASTORES)/stdlib-gemma3 --force
+
+bench-gemma3: engines-gemma3 datastore-stdlib-gemma3
+	$(SPECRT) bench $(GEMMA3) --compare $(GEMMA3_INT4) --methods autoregressive,ngram,rest --temperatures 0,0.7 \
+	    --max-new-tokens 96 --num-prompts 10 --gamma-sweep "" --no-peers --llamacpp \
+	    --datastore $(DATASTORES)/stdlib-gemma3 --out docs/bench-gemma3
 
 # llama.cpp's own server (tools/server) for `python -m specrt.measurement.bench prefix-cache --llama-server`
 # (docs/notes/2026-12-prefix-cache.md): the llama.cpp sources vendored in the llama-cpp-python sdist (0.3.36 is the
