@@ -39,3 +39,10 @@ def test_verify_without_a_sampling_test_is_not_tested(engines):
     assert out.exit_code == 3, out.output
     assert "NOT TESTED" in out.output and "PASS" not in out.output
     assert "could not test: sampling: --samples 0" in out.output
+
+
+def test_sampling_batches_shrink_with_the_vocabulary():
+    """verify's sampling draws 256 sequences a batch for SmolLM2's 49,152 ids, fewer for Gemma 3's 262,144 (whose
+    batches of 256 took 22 GB with rest's trees), never fewer than 8."""
+    from specrt.measurement.check import chunk_for
+    assert (chunk_for(128), chunk_for(49152), chunk_for(262144), chunk_for(10**8)) == (256, 256, 64, 8)
