@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from specrt.measurement.playground_shots import ask as send
 from specrt.measurement.serve_bench import server
 
 KEY = "sk-playground-3c9e"
@@ -75,13 +76,9 @@ def open_page(browser, url: str):
 
 
 def ask(page, method: str, max_tokens: int, side_by_side: bool = False):
-    """Send PROMPT at T = 0 and wait until every answer of the turn (two side by side) has ended."""
-    page.select_option("#method", method)
-    page.fill("#temperature", "0")
-    page.fill("#max-tokens", str(max_tokens))
-    page.set_checked("#side-by-side", side_by_side)
-    page.fill("#prompt", PROMPT)
-    page.press("#prompt", "Enter")
+    """Send PROMPT at T = 0 (as the screenshots do) and wait until every answer of the turn (two side by side) has
+    ended."""
+    send(page, PROMPT, method, max_tokens, side_by_side)
     page.wait_for_function("() => { const a = document.querySelector('#turns .answer:last-of-type');"
                            " return a && [...a.querySelectorAll('.output')].every((o) => o.dataset.done); }",
                            timeout=120_000)
