@@ -29,7 +29,7 @@ from specrt.decoding.batch import Batch, Detokenizer
 from specrt.decoding.datastore import Datastore, tokenizer_identity
 from specrt.decoding.rest import RestDrafter, RestShape
 from specrt.decoding.run import (AUTO, MAX_GAMMA, MAX_MEASURED_BATCH, METHODS, MODEL_FREE, PREFILL_CHUNK,  # noqa: F401
-                                 Chunk, Generation, Round, _Run)   # (AUTO .. PREFILL_CHUNK, Chunk, Generation, Round: public)
+                                 Chunk, Generation, Round, _Run)   # (all but _Run: the public names)
 
 
 class Generator:
@@ -255,7 +255,8 @@ class Generator:
         round at temperature > 0, but NOT the target's distribution; greedy at temperature 0). The stats say which
         (`acceptance`, `distribution_preserving`). `logprobs=N`: `Generation.logprobs` holds each new token's
         log-probability under the target's distribution it was drawn from (after the processors below, temperature,
-        top-k, top-p and min-p) and the N most likely tokens there (0 to 20), drafted tokens included: the verify pass computed them.
+        top-k, top-p and min-p) and the N most likely tokens there (0 to 20), drafted tokens included: the verify
+        pass computed them.
         `min_p` drops tokens below min_p × the most likely one's probability (after top-p); `presence_penalty`,
         `frequency_penalty` (OpenAI's), `repetition_penalty` and `logit_bias` ({token id: bias}) process the
         target's logits at every position in the context it has (processors.py): the output is the processed
@@ -599,14 +600,15 @@ class Generator:
             eos = next((i for i, tok in enumerate(new) if tok in run.stop_ids), None)
             if eos is not None:
                 new = new[:eos + 1]
+            kept = min(n, len(new))   # the round's drafts (or forced tokens) in the output
             if drafted:
-                self._count_drafts(run, row, n, width, kept=min(n, len(new)))
+                self._count_drafts(run, row, n, width, kept)
                 accepted, proposed = accepted + n, proposed + width
             else:
                 run.forced += n
             if row.round_log is not None:
-                row.round_log.append(Round(drafts[b - first] if drafts and drafted else [],
-                                           min(n, len(new)) if drafted else 0, new, 0 if drafted else min(n, len(new))))
+                row.round_log.append(Round(drafts[b - first], kept, new) if drafts and drafted else
+                                     Round([], 0, new, 0 if drafted else kept))
             if b in run.round_logprobs:
                 row.logprobs += run.round_logprobs[b][:len(new)]
             if row.context is not None:

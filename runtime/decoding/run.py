@@ -41,6 +41,10 @@ class Round:
         k = self.accepted
         return self.tokens[k] if k < len(self.drafted) and k < len(self.tokens) else None
 
+    def cut(self, n: int) -> "Round":
+        """The round as far as its first n tokens (a stop token after which the rest is dropped)."""
+        return Round(self.drafted, min(self.accepted, n), self.tokens[:n], min(self.forced, n))
+
 
 @dataclass
 class Generation:

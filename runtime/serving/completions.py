@@ -160,6 +160,12 @@ def _arguments(text: str):
         return text
 
 
+def _joined(lists) -> list | None:
+    """Pieces' lists (logprobs, rounds) one after another; None where none of the pieces has one (not asked for)."""
+    lists = list(lists)
+    return None if all(x is None for x in lists) else [item for x in lists for item in x or []]
+
+
 async def _held(first: Piece, pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
     """A stream's pieces with tool calls: a reply that may be a call (a forced one, or one that begins with "{") is
     held to its end and comes as one piece, with its calls if it is one; any other streams as it comes."""
@@ -172,11 +178,9 @@ async def _held(first: Piece, pieces: AsyncIterator[Piece], tools: Tools) -> Asy
                 break
             if piece.reason is not None:
                 calls = parse_calls(text, tools.names) if piece.reason == "stop" else None
-                logprobs = None if all(p.logprobs is None for p in held) else \
-                    [lp for p in held for lp in p.logprobs or []]
-                rounds = None if all(p.rounds is None for p in held) else [r for p in held for r in p.rounds or []]
-                yield Piece(None if calls else text, [t for p in held for t in p.ids], logprobs,
-                            "tool_calls" if calls else piece.reason, piece.stats, calls, rounds)
+                yield Piece(None if calls else text, [t for p in held for t in p.ids],
+                            _joined(p.logprobs for p in held), "tool_calls" if calls else piece.reason, piece.stats,
+                            calls, _joined(p.rounds for p in held))
                 return
             piece = await anext(pieces)
         for piece in held:
@@ -481,7 +485,7 @@ class Server:
         choice = _choice(chat, 0, text, tokens, "tool_calls" if calls else reason, logprobs, calls=calls)
         stats = got[-1].stats
         if options["rounds"]:
-            stats = {**(stats or {}), "round_log": [r for piece in got for r in piece.rounds or []]}
+            stats = {**(stats or {}), "round_log": _joined(piece.rounds for piece in got)}
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": _usage(ids, len(tokens), got[-1].stats), "specrt": stats}
 
@@ -514,9 +518,9 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
     chunk with the finish reason, the usage chunk when asked, then [DONE]."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
-    def event(choices: list, usage: dict | None = None, stats: dict | None = None) -> str:
+    def event(choices: list, usage: dict | None = None, specrt: dict | None = None) -> str:
         body = {**head, "choices": choices, **({"usage": usage} if include_usage else {}),
-                **({"specrt": stats} if stats else {})}   # the rounds' ({"rounds": [...]}), or the last chunk's figures
+                **({"specrt": specrt} if specrt else {})}   # {"rounds": [...]}, or the last chunk's figures
         return f"data: {json.dumps(body)}\n\n"
 
     if chat:
@@ -530,10 +534,10 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
             if piece.text or piece.ids:
                 lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
                 yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)],
-                            stats={"rounds": piece.rounds} if piece.rounds is not None else None)
+                            specrt={"rounds": piece.rounds} if piece.rounds is not None else None)
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
                 stats = piece.stats
-                yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], stats=stats)
+                yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], specrt=stats)
                 break
             piece = await anext(pieces)
         if include_usage:

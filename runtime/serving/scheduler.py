@@ -333,11 +333,10 @@ class Scheduler:
         pieces = [job.texts[index].feed([t]) if k < len(text) else "" for k, t in enumerate(ids)]
         rounds, rest = [], ids
         for r in row.round_log[row.rounds_sent:]:   # the rounds that made these tokens (a stop token cuts them)
-            tokens, rest = r.tokens[:len(rest)], rest[len(r.tokens):]
-            texts, pieces = pieces[:len(tokens)], pieces[len(tokens):]
-            rounds.append({"tokens": tokens, "text": texts, "drafted": r.drafted,
-                           "accepted": min(r.accepted, len(tokens)), "forced": min(r.forced, len(tokens)),
-                           "corrected": r.corrected if r.accepted < len(tokens) else None})
+            r, rest = r.cut(len(rest)), rest[len(r.tokens):]
+            texts, pieces = pieces[:len(r.tokens)], pieces[len(r.tokens):]
+            rounds.append({"tokens": r.tokens, "text": texts, "drafted": r.drafted, "accepted": r.accepted,
+                           "forced": r.forced, "corrected": r.corrected})
         row.rounds_sent = len(row.round_log)
         job.put(("tokens", index, ids, "".join(t for r in rounds for t in r["text"]), logprobs, rounds))
 
