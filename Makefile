@@ -149,8 +149,8 @@ check-gemma3: engines-gemma3 $(TESTED)
 	    $(PY) -m pytest -q tests/test_gguf_target.py -k gemma3_270m
 
 # --method rest's stdlib datastore in Gemma's tokenizer (a datastore holds token ids: only engine sets of its tokenizer
-# can use it), and the bench of docs/bench-gemma3: float32 and int4, autoregressive, ngram and rest, beside llama.cpp
-# on the same file (the llamacpp extra). About 7 minutes on 2 quiet cores.
+# can use it), and the bench of docs/bench-gemma3: float32 and int4, autoregressive, ngram, rest and eagle, beside
+# llama.cpp on the same file (the llamacpp extra). About 10 minutes on 2 quiet cores.
 datastore-stdlib-gemma3: $(GEMMA3)/manifest.json
 	$(SPECRT) datastore build "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
 	    $(STDLIB_EXCLUDE) --engines $(GEMMA3) --out $(DATASTORES)/stdlib-gemma3 --force

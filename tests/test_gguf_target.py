@@ -407,6 +407,8 @@ def test_cli_refuses_a_file_and_names_a_missing_one(nothing_converted):
 # --- the real file: Gemma 3 270M (make check-gemma3; not in make test) -------------------------------------
 
 GEMMA3 = os.environ.get("SPECRT_GEMMA3")   # an engine set of `make engines-gemma3`
+GEMMA3_PROMPTS = int(os.environ.get("SPECRT_GEMMA3_PROMPTS", 8))   # MT-Bench dev prompts the real checks run
+GEMMA3_TOKENS = int(os.environ.get("SPECRT_GEMMA3_TOKENS", 32))     # new tokens each
 
 
 @pytest.mark.skipif(not GEMMA3, reason="the real Gemma 3 270M runs in make check-gemma3 (SPECRT_GEMMA3=ENGINES)")
@@ -420,8 +422,7 @@ def test_gemma3_270m_greedy_equals_transformers():
     target = json.loads((Path(GEMMA3) / "manifest.json").read_text())["models"]["target"]
     path = Path(target["gguf"]["path"])
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    n, tokens, ties = int(os.environ.get("SPECRT_GEMMA3_PROMPTS", 8)), \
-        int(os.environ.get("SPECRT_GEMMA3_TOKENS", 32)), []
+    n, tokens, ties = GEMMA3_PROMPTS, GEMMA3_TOKENS, []
     compared = 0
     for prompt in load_prompts(n):
         ids = gen.encode(prompt)
@@ -439,7 +440,7 @@ def test_gemma3_270m_eagle_equals_autoregressive():
     models = json.loads((Path(GEMMA3) / "manifest.json").read_text())["models"]
     assert "eagle" in models, f"{GEMMA3} has no EAGLE drafter: export it with --eagle export/drafters/gemma3-270m-eagle"
     gen = Generator.from_engines(GEMMA3)
-    n, tokens = int(os.environ.get("SPECRT_GEMMA3_PROMPTS", 8)), int(os.environ.get("SPECRT_GEMMA3_TOKENS", 32))
+    n, tokens = GEMMA3_PROMPTS, GEMMA3_TOKENS
     made = rounds = 0
     for prompt in load_prompts(n):
         ids = gen.encode(prompt)

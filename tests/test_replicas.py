@@ -88,7 +88,7 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
         # 16 at once is every replica's batch full: where Serve's router counts a request as waiting before a
         # replica takes it, the ingress may refuse one with a 429 (the bound test_requests_beyond_max_waiting_get_429
         # checks); a client then sends it again, as the 429 says
-        for attempt in range(20):
+        for _ in range(20):
             try:
                 events, replica = stream(url, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
                 return list(events), replica
