@@ -1,18 +1,24 @@
 """Logprobs: every new token's log-probability under the target's distribution it was drawn from, accepted drafts
-included, equal to the target's own (transformers' teacher-forced pass, and the autoregressive run) for every
-method; the same in streams and in batches where only some rows ask for them."""
+included, equal to the target's own (transformers' teacher-forced pass, with the processors and the temperature
+applied in plain torch here, and the autoregressive run) for every method; the same in streams and in batches where
+only some rows ask for them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import export_tiny, load_prompts, tiny_model
+from test_processors import processed
 from specrt.decoding.generate import Generator
 from specrt.decoding.sampling import SamplingParams, probs
 from specrt.errors import InputError
 
 TOL = 1e-4
 TOP = 3
+# the processors of each prompt of the tiny test (seed 0 none): each changes the first token's distribution too
+# (the bias, and the repetition penalty over the prompt), so logprobs taken before them are caught at every position
+PROCESSORS = [{}, dict(repetition_penalty=1.5, logit_bias={3: 2.0, 11: -1.5}),
+              dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)]
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +35,16 @@ def tiny(tmp_path_factory):
     return Generator.from_engines(directory), model
 
 
-def reference(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
-    """log P of the distribution each new token was drawn from, teacher-forced through transformers (K, V)."""
+def reference(model, prompt: list[int], tokens: list[int], params: SamplingParams, kw: dict) -> torch.Tensor:
+    """log P of the distribution each new token was drawn from, teacher-forced through transformers (K, V). With
+    processors (`kw`, generate's keywords): each position's logits processed in its context by the test's own
+    reference (test_processors.processed), then the temperature, in plain torch (no top-k then)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    if kw:
+        assert params.top_k == 0
+        x = torch.stack([processed(row, prompt, tokens[:i], kw) for i, row in enumerate(logits)])
+        return torch.log_softmax(x / (1.0 if params.greedy else params.temperature), -1).float()
     return torch.log_softmax(logits, -1) if params.greedy else torch.log(probs(logits, params))
 
 
@@ -50,15 +62,17 @@ def assert_logprobs(got, tokens: list[int], ref: torch.Tensor, top: int):
 @pytest.mark.parametrize("method", ["autoregressive", "draft", "ngram", "medusa"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_tiny_logprobs_equal_transformers(tiny, method, temperature):
+    """Seed 0 with top-k at T > 0; seeds 1 and 2 with penalties and a bias (PROCESSORS)."""
     gen, model = tiny
-    params = SamplingParams(temperature, top_k=20 if temperature else 0)
     accepted = 0
-    for seed in range(3):
+    for seed, kw in enumerate(PROCESSORS):
+        params = SamplingParams(temperature, top_k=20 if temperature and not kw else 0)
         prompt = torch.randint(0, 64, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         prompt += prompt   # a repeat: prompt lookup has something to propose
         out = gen.generate(prompt_ids=prompt, max_new_tokens=24, method=method, temperature=temperature,
-                           top_k=params.top_k, seed=seed, logprobs=TOP, adaptive=False)
-        assert_logprobs(out.logprobs[0], out.token_ids[0], reference(model, prompt, out.token_ids[0], params), TOP)
+                           top_k=params.top_k, seed=seed, logprobs=TOP, adaptive=False, **kw)
+        ref = reference(model, prompt, out.token_ids[0], params, kw)
+        assert_logprobs(out.logprobs[0], out.token_ids[0], ref, TOP)
         accepted += sum(out.stats["acceptance_per_position"]) > 0
     if method != "autoregressive":   # accepted drafts' logprobs were checked, not only the targets' own tokens
         assert accepted > 0, f"{method}: no draft accepted, the drafts' logprobs went untested"
