@@ -96,7 +96,11 @@ def _parse(path: Path, m) -> GGUFHeader:
         pos += 4 + 8 * n_dims + 12
         shape = tuple(reversed(dims))                          # ggml lists the fastest dimension (K) first
         tensors.append(TensorInfo(name, shape, known.get(kind, f"type {kind}"), offset))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if type(align) is not int or align < 1:   # GGUF's spec: a uint32, a multiple of 8 (default 32)
+        raise ValueError(f"its general.alignment is {align!r}, where GGUF needs a positive integer (a multiple of 8; "
+                         "32 when the key is absent): the writer that made the file set it wrong; write it again "
+                         "(gguf's GGUFWriter writes 32) or remove the key")
     return GGUFHeader(path, metadata, tuple(tensors), (pos + align - 1) // align * align)
 
 

@@ -491,6 +491,9 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
 @click.option("--api-key", envvar="SPECRT_API_KEY", default=None, show_envvar=True,
               help="Requests must carry `Authorization: Bearer KEY` (the openai client's api_key), else 401; "
                    "/health stays open.")
+@click.option("--api-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="More keys, one a line (llama.cpp's --api-key-file); each key is a tenant: the prefix cache of "
+                   "one is not the other's.")
 @click.option("--max-waiting", default=None, type=click.IntRange(1),
               help="Requests waiting for a row beyond this are answered 429 (default: no bound).")
 @click.option("--request-timeout", default=None, type=click.FloatRange(0, min_open=True),
@@ -513,19 +516,20 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
                    "prompts that start the same way: a chat's next turn, a shared system prompt; 0: off. Default: "
                    "512 MB, or 1/8 of the memory available once the engines are loaded (the GPU's on CUDA) if that "
                    "is less; each replica its own.")
-def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, max_waiting,
-          request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb):
+def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, api_key_file,
+          max_waiting, request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
     turns itself off at batch sizes where a verify pass no longer pays. Needs the serve extra:
     pip install 'specrt[serve]'."""
     try:
-        from specrt.serving.server import Limits, serve as run
+        from specrt.serving.server import Limits, read_api_keys, serve as run
     except ImportError as e:
         raise click.ClickException(f"{e.name} is not installed: pip install 'specrt[serve]'") from e
     try:
-        limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes)
+        limits = Limits(api_key, max_waiting, request_timeout, max_body_bytes,
+                        read_api_keys(api_key_file) if api_key_file else ())
         if replicas is not None or autoscale is not None:
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
                             limits, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb)

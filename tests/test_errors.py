@@ -259,3 +259,32 @@ def test_a_manifest_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "manifest.json").write_text("[1, 2]")
     with pytest.raises(ManifestError, match="is not a JSON object"):
         read_manifest(tmp_path)
+
+
+def _gguf_header(path, alignment: bytes) -> None:
+    """A GGUF file of a header alone: general.architecture and general.alignment (its type and value: `alignment`),
+    no tensors."""
+    import struct
+
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+    kv = string("general.architecture") + struct.pack("<I", 8) + string("llama")
+    kv += string("general.alignment") + alignment
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kv)
+
+
+@pytest.mark.parametrize("alignment,said", [
+    (b"\x04\x00\x00\x00" + (0).to_bytes(4, "little"), "general.alignment is 0"),                  # uint32 0
+    (b"\x09\x00\x00\x00" + b"\x04\x00\x00\x00" + (1).to_bytes(8, "little") + (32).to_bytes(4, "little"),
+     "general.alignment is array([32]"),                                                         # an array of uint32
+], ids=["zero", "array"])
+def test_gguf_alignment_that_is_not_a_positive_integer(tmp_path, alignment, said):
+    """The header's alignment divides the data's start: 0 (a ZeroDivisionError) or an array (a TypeError) is the
+    reader's own error, naming the key and the fix."""
+    from specrt.export.gguf_files import read_header
+    path = tmp_path / "model.gguf"
+    _gguf_header(path, alignment)
+    with pytest.raises(UnknownSourceError, match=re.escape(said) + r".*positive integer.*write it again"):
+        read_header(path)
+    _gguf_header(path, b"\x04\x00\x00\x00" + (64).to_bytes(4, "little"))
+    assert read_header(path).data_start == 128   # the 102-byte header, to the next multiple of 64

@@ -18,6 +18,7 @@ from specrt.decoding.datastore import (Datastore, DatastoreError, SuffixCache, T
 from specrt.decoding.generate import Generator
 from specrt.decoding.rest import RestDrafter, RestShape
 from specrt.decoding.sampling import SamplingParams
+from specrt.measurement.serve_bench import suffix_cache_figures
 from test_serve import client, running_server
 from test_speculative import P_MIN, V, chi_square_p, exact_joint, sample_first3
 
@@ -140,8 +141,7 @@ def test_server_suffix_cache(rest_pair, tmp_path):
         whole = {"specrt": {"adaptive": False}}
         again = api.completions.create(model="m", prompt=prompts[-1], max_tokens=20, temperature=0, extra_body=whole)
         new = api.completions.create(model="m", prompt=[1, 2, 3, 4, 5], max_tokens=20, temperature=0, extra_body=whole)
-        status, health = post_get(url + "/health")
-    cache = health["suffix_cache"]
+        cache = suffix_cache_figures(url)   # /metrics' gauges (the open /health says only whether it lives)
     print(f"suffix cache: repeated request {again.specrt['mean_tokens_per_round']:.2f} tokens a round, new "
           f"{new.specrt['mean_tokens_per_round']:.2f}; {cache}")
     assert again.choices[0].token_ids == outs[-1].choices[0].token_ids and again.specrt["method"] == "rest"

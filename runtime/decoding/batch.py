@@ -85,23 +85,24 @@ class Batch:
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
             logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
-            rounds: bool = False) -> None:
+            rounds: bool = False, partition: str | None = None) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar, rounds)
+        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar, rounds, partition)
         while self.joining:
             self.prefill()
 
     def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
              logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
-             rounds: bool = False) -> None:
+             rounds: bool = False, partition: str | None = None) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
         the caller's handle for the rows, or a sequence of one per row. `logprobs`: each new token's log-probability
         and this many alternatives are kept (`_Row.logprobs`; None: not). `penalties`: its rows' processors of the
         target's logits (processors.py); `grammar`: the grammar its output follows (decoding/grammar.py: each row
-        a Matcher of it); `rounds`: its rows keep a Round per round, the first token's included (_Row.round_log).
-        Bad requests are refused here."""
+        a Matcher of it); `rounds`: its rows keep a Round per round, the first token's included (_Row.round_log);
+        `partition`: the prefix cache's partition it reads and adds to (its tenant; None: the shared one). Bad
+        requests are refused here."""
         check_logprobs(logprobs)
         if penalties is not None:
             penalties.check_vocab(self.gen.target.spec["vocab_size"])
@@ -110,6 +111,7 @@ class Batch:
         joining.penalties = penalties if penalties is not None and penalties.active else None
         joining.grammar = grammar
         joining.rounds = rounds
+        joining.partition = partition
         self.joining.append(joining)
 
     @property
@@ -205,7 +207,8 @@ class Batch:
             return None
         if gen.prefix_cache is not None:
             parts = {"target": (j.cache.data[:, 0], 2, m)}                             # (2L, Hkv, Smax, D)
-            gen.prefix_cache.store(j.ids, parts | (self.drafter.cache_parts(j.row, m) if self.drafter else {}))
+            gen.prefix_cache.store(j.ids, parts | (self.drafter.cache_parts(j.row, m) if self.drafter else {}),
+                                   j.partition)
         self._join(j, out)
         return out
 
@@ -219,7 +222,7 @@ class Batch:
         self.prompt_tokens += len(j.ids)
         if cache is None:
             return
-        hit = cache.match(j.ids, ("target", *(self.drafter.cache_needs if self.drafter else ())))
+        hit = cache.match(j.ids, ("target", *(self.drafter.cache_needs if self.drafter else ())), j.partition)
         if not hit.tokens:
             return
         cache.copy(hit, "target", j.cache.data[:, 0], axis=2)                          # (2L, Hkv, Smax, D)
@@ -240,7 +243,7 @@ class Batch:
         run.rows += [_Row(o, m, j.max_new, cached=j.cached, logprobs_top=j.logprobs, penalties=j.penalties,
                           context=Context(j.ids) if j.penalties else None,
                           matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None,
-                          round_log=[] if j.rounds else None) for o in j.owners]
+                          round_log=[] if j.rounds else None, partition=j.partition) for o in j.owners]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
@@ -318,7 +321,7 @@ class Batch:
         parts = {"target": (run.pool.data[:, b], 2, n)}                             # (2L, Hkv, Smax, D)
         if self.drafter is not None:
             parts |= self.drafter.cache_parts(b, n, finished=True)
-        self.gen.prefix_cache.store(run.host_tokens[b, :n].tolist(), parts)
+        self.gen.prefix_cache.store(run.host_tokens[b, :n].tolist(), parts, run.rows[b].partition)
 
     # ---- a round ------------------------------------------------------------------------------------------
     def step(self) -> None:

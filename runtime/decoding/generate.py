@@ -240,7 +240,8 @@ class Generator:
                  adaptive: bool = True, acceptance: str = "exact", logprobs: int | None = None,
                  min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
-                 grammar: Grammar | tuple[str, object] | None = None, rounds: bool = False) -> Generation:
+                 grammar: Grammar | tuple[str, object] | None = None, rounds: bool = False,
+                 cache_partition: str | None = None) -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -263,11 +264,13 @@ class Generator:
         target's, with every method. `grammar`: the output follows it, ("json_object", None), ("json_schema",
         {...}), ("regex", "...") or ("grammar", Lark or GBNF text), or a grammar.compile_grammar() result: every
         position's distribution is the target's masked to what the grammar allows there. `rounds=True`:
-        `Generation.rounds` holds each sequence's Rounds, what every round drafted, accepted and kept (see Round)."""
+        `Generation.rounds` holds each sequence's Rounds, what every round drafted, accepted and kept (see Round).
+        `cache_partition`: the prefix cache's partition the prompts read from and add to (a tenant's name; None, the
+        default: the shared one): a prompt only reuses what prompts of its own partition left (prefix_cache.py)."""
         loop = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                             num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
                             adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
-                            repetition_penalty, logit_bias, grammar, rounds)
+                            repetition_penalty, logit_bias, grammar, rounds, cache_partition)
         while True:
             try:
                 next(loop)
@@ -319,7 +322,8 @@ class Generator:
                 chat: bool = True, tree: bool = False, tree_choices=None, adaptive: bool = True,
                 acceptance: str = "exact", logprobs: int | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logit_bias: dict[int, float] | None = None, grammar=None, rounds: bool = False):
+                logit_bias: dict[int, float] | None = None, grammar=None, rounds: bool = False,
+                cache_partition: str | None = None):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -343,7 +347,7 @@ class Generator:
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,
-                          penalties=penalties, grammar=grammar, rounds=rounds)
+                          penalties=penalties, grammar=grammar, rounds=rounds, partition=cache_partition)
             prefill_time = time.perf_counter() - started
             outputs: list = [None] * (len(prompts) * n)
             while True:

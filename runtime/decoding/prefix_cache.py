@@ -4,7 +4,11 @@ A prompt's positions are cut into blocks of `block` tokens (BLOCK = 32: a hit re
 cached prompt, which ride in the pass over the new prompt's own tokens at little cost, while 16 would double the
 entries, hashes and copies per prefix and 64 would leave twice as much to recompute). A block is keyed by the hash
 chain of the token ids up to its end (vLLM's automatic prefix caching): key_i = BLAKE2b(key_{i-1} ‖ tokens of block
-i), so two prompts share the key of block i exactly when they share their first (i+1)·block tokens. A block holds
+i), so two prompts share the key of block i exactly when they share their first (i+1)·block tokens. The chain starts
+from the request's *partition* (its tenant: the server's API key and the request's cache_salt; None for the shared
+one): key_{-1} = BLAKE2b("partition" ‖ partition), or empty for None, so a request only ever finds the blocks that
+requests of its own partition stored, and its hit counts only them (the cache is no side channel between tenants).
+A block holds
 *parts*, each its own entry: "target" (the target's keys and values, (2L, Hkv, block, D)) and what a method's
 drafter keeps per row: "draft" (the draft model's keys and values), "hidden" or "aux" (the target's states that an
 EAGLE or EAGLE-3 drafter reads). A request finds the longest run of whole blocks from the start of its prompt that
@@ -70,20 +74,21 @@ class PrefixCache:
             raise InputError(f"prefix cache of {mb} MB: give a size in MB, or 0 for none")
         return cls(int(mb * 2**20), block) if mb else None
 
-    def keys(self, ids: list[int], blocks: int) -> list[bytes]:
-        """The chain's keys of the first `blocks` whole blocks of `ids`."""
+    def keys(self, ids: list[int], blocks: int, partition: str | None = None) -> list[bytes]:
+        """The chain's keys of the first `blocks` whole blocks of `ids`, in `partition`'s chain (see the module doc)."""
         tokens = np.asarray(ids[:blocks * self.block], dtype=np.int64)
-        keys, key = [], b""
+        keys, key = [], b"" if partition is None else \
+            hashlib.blake2b(b"partition\0" + partition.encode(), digest_size=32).digest()
         for i in range(blocks):
             key = hashlib.blake2b(key + tokens[i * self.block:(i + 1) * self.block].tobytes(), digest_size=32).digest()
             keys.append(key)
         return keys
 
     # ---- lookup ---------------------------------------------------------------------------------------------
-    def match(self, ids: list[int], parts: tuple[str, ...]) -> Hit:
+    def match(self, ids: list[int], parts: tuple[str, ...], partition: str | None = None) -> Hit:
         """The longest run of whole blocks from the start of `ids`, but its last token, whose every part in `parts`
-        is cached; its entries become the most recently used. Counted in stats()."""
-        keys = self.keys(ids, (len(ids) - 1) // self.block)
+        is cached by requests of `partition`; its entries become the most recently used. Counted in stats()."""
+        keys = self.keys(ids, (len(ids) - 1) // self.block, partition)
         n = 0
         while n < len(keys) and all((p, keys[n]) in self._entries for p in parts):
             n += 1
@@ -113,13 +118,15 @@ class PrefixCache:
         return len(chain) * self.block
 
     # ---- storing --------------------------------------------------------------------------------------------
-    def store(self, ids: list[int], parts: dict[str, tuple[torch.Tensor, int, int]]) -> None:
+    def store(self, ids: list[int], parts: dict[str, tuple[torch.Tensor, int, int]],
+              partition: str | None = None) -> None:
         """A prompt's whole blocks after its prefill, for each part: (its row's tensor, the axis over positions,
-        how many of the prompt's positions it holds). Blocks already cached are only touched."""
+        how many of the prompt's positions it holds), found later only by requests of `partition`. Blocks already
+        cached are only touched."""
         if not self.max_bytes:
             return
         valid = max((n for _, _, n in parts.values()), default=0)
-        keys = self.keys(ids, min(valid, len(ids)) // self.block)
+        keys = self.keys(ids, min(valid, len(ids)) // self.block, partition)
         for part, (row, axis, count) in parts.items():
             chain = [(part, k) for k in keys[:count // self.block]]
             have = 0

@@ -80,6 +80,7 @@ class _Joining:
     grammar: Grammar | None = None       # its output's grammar (structured output)
     cached: int | None = None            # prompt positions from the prefix cache (None: not looked up yet)
     rounds: bool = False                 # its rows keep a Round per round (_Row.round_log)
+    partition: str | None = None         # its prefix cache partition (PrefixCache: its tenant; None: the shared one)
 
     @property
     def copies(self) -> int:
@@ -93,7 +94,7 @@ class _Row:
     prompt_len: int
     max_new: int
     cached: int = 0                 # prompt positions that came from the prefix cache
-    stop_reason: str | None = None  # set when it finishes: eos, max_new_tokens, max_seq_len, cancelled
+    stop_reason: str | None = None  # set when it finishes: eos, max_new_tokens, max_seq_len, cancelled, grammar_error
     sent: int = 0                   # new tokens already handed out (Batch.new_tokens)
     rounds: int = 0                 # rounds it took part in, and its drafts in them
     accepted: int = 0
@@ -107,6 +108,7 @@ class _Row:
     matcher: Matcher | None = None       # its place in its grammar, at its committed tokens
     round_log: list[Round] | None = None  # each round's drafts and outcome, when asked for (Batch.join(rounds=True))
     rounds_sent: int = 0                 # the entries of round_log already handed out
+    partition: str | None = None         # its request's prefix cache partition (_Joining.partition)
 
 
 class _Run:

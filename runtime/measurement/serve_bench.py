@@ -36,6 +36,16 @@ from specrt.errors import InputError
 from specrt.measurement.rss import process_rss_bytes
 
 
+def suffix_cache_figures(url: str) -> dict:
+    """The server's suffix cache now, from its /metrics (no API key: a server the bench started): its outputs,
+    tokens and bytes."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {key: int(values[f"specrt:suffix_cache_{key}"]) for key in ("outputs", "tokens", "bytes")}
+
+
 @contextmanager
 def server(engines: Path, log_path: Path, *args: str, wait_s: float = 300, stop_s: float = 10):
     """`specrt serve ENGINES *args` on a free port until /health answers (with --replicas, until its log says that
@@ -202,14 +212,13 @@ def bench_repeated(engines: Path, concurrency: int, method: str, requests: int, 
                                 "server_rss_mb": process_rss_bytes(pid) / 2**20})
                 log(f"  {tokens / wall:.1f} tok/s, {results[-1]['tokens_per_round'] or 0:.2f} tokens a round, server "
                     f"{results[-1]['server_rss_mb']:.0f} MB resident")
-            with urllib.request.urlopen(url + "/health", timeout=30) as r:
-                results[-1]["health"] = json.loads(r.read())
+            results[-1]["suffix_cache"] = suffix_cache_figures(url) if cache else None
     plain, cached = results[1], results[3]
     ratio = cached["tokens_per_s"] / plain["tokens_per_s"]
     report = {"engines": str(engines), "method": method, "concurrency": concurrency, "max_tokens": max_tokens,
               "results": results, "second_pass_ratio": ratio}
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2))
-    size = cached["health"].get("suffix_cache", {})
+    size = cached["suffix_cache"]
     lines = [f"# Serving repeated traffic: {method}, {requests} requests of {max_tokens} tokens sent twice "
              f"(greedy, MT-Bench chat prompts, concurrency {concurrency})", "",
              "| suffix cache | pass | tok/s | tokens a round | server resident after (MB) |", "|---|---|---|---|---|"]

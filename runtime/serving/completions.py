@@ -30,27 +30,58 @@ from specrt.serving.scheduler import Job, Scheduler
 
 
 class StopText:
-    """Text as it grows, cut at the first stop string; holds back a tail that could begin one."""
+    """Text as it grows, cut at the first stop string; holds back a tail that could begin one. Incremental: a piece
+    costs O(len(piece) x stops), whatever came before. Each stop string keeps its Knuth-Morris-Pratt state (the
+    longest prefix of it that the text ends with): the tail held back is the longest of them, at most the longest
+    stop string's length - 1 characters, and a stop string that comes must end in the new piece, so only the piece and
+    that tail are searched."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.text, self.sent = stops, "", 0
+        self.stops = stops
+        self.fail = [_prefix_function(s) for s in stops]
+        self.state = [0] * len(stops)
+        self.tail = ""   # the text held back (not sent yet)
 
     def feed(self, new: str) -> tuple[str, bool]:
         """The text that is safe to send now, and whether a stop string has come (the text ends before it)."""
-        self.text += new
-        cut = min((i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0),
-                  default=None)
+        text = self.tail + new
+        found = [text.find(s, max(0, len(self.tail) - len(s) + 1)) for s in self.stops]   # ending in `new`
+        cut = min((i for i in found if i >= 0), default=None)
         if cut is not None:
-            out, self.sent = self.text[self.sent:cut], cut
-            return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        end = max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:end], end
+            self.tail = ""
+            return text[:cut], True
+        for k, s in enumerate(self.stops):
+            self.state[k] = _advance(s, self.fail[k], self.state[k], new)
+        hold = max(self.state, default=0)
+        out, self.tail = text[:len(text) - hold], text[len(text) - hold:]
         return out, False
 
     def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.tail = self.tail, ""
         return out
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's failure function: fail[i], the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        k += s[i] == s[k]
+        fail[i] = k
+    return fail
+
+
+def _advance(s: str, fail: list[int], k: int, new: str) -> int:
+    """The longest prefix of s (shorter than s) that the text ends with, once `new` follows a text that ended with
+    s[:k]. It depends on the last len(s) - 1 characters alone: a longer `new` is read from there."""
+    if len(new) >= len(s) - 1:
+        k, new = 0, new[len(new) - len(s) + 1:] if len(s) > 1 else ""
+    for c in new:
+        while k and (k == len(s) or s[k] != c):
+            k = fail[k - 1]
+        k += s[k] == c
+    return min(k, len(s) - 1)
 
 
 def _finish(stop_reason: str | None) -> str:
@@ -153,6 +184,15 @@ def _turn(message: Message, native: bool) -> dict:
     return turn
 
 
+def message_chars(message: Message) -> int:
+    """The characters of a message's free text, all that its turn gives the chat template: role, content, name,
+    earlier calls (ids, names, arguments) and the call a tool's result answers (Server.check_chars bounds them)."""
+    content = message.content if isinstance(message.content, str) else \
+        "".join(p.text for p in message.content or [])
+    calls = sum(len(c.id) + len(c.function.name) + len(c.function.arguments) for c in message.tool_calls or [])
+    return len(message.role) + len(content) + len(message.name or "") + len(message.tool_call_id or "") + calls
+
+
 def _arguments(text: str):
     try:
         return json.loads(text)
@@ -214,7 +254,8 @@ class Server:
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.token_texts = TokenTexts(gen.tokenizer)   # logprobs' token texts and bytes
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
-        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting), lambda: self.gen.prefix_cache)
+        self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting), lambda: self.gen.prefix_cache,
+                               lambda: self.gen.suffix_cache)
         self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
                                    max_waiting=max_waiting, timeout=request_timeout)
 
@@ -304,9 +345,11 @@ class Server:
             raise APIError(400, f"{param}: {e}", param) from e
 
     def options(self, req: BaseRequest, ids: list[int], param: str, max_tokens: int | None,
-                grammar: Grammar | None = None) -> dict:
+                grammar: Grammar | None = None, tenant: str | None = None) -> dict:
         """generate()'s keyword arguments for a request whose prompt is `ids`, and its stop_token_ids. What the
-        schema cannot say is checked here, each a 400 that names its field."""
+        schema cannot say is checked here, each a 400 that names its field. `tenant`: the name of the API key it
+        came with (None: the server has none); with its cache_salt, the prefix cache's partition it reads and adds
+        to (docs/serving.md)."""
         if not ids:
             raise APIError(400, f"{param}: empty: it gives no token to start from; send some text", param)
         if len(ids) >= self.max_len:
@@ -340,6 +383,8 @@ class Server:
                     adaptive=req.specrt.adaptive, acceptance=req.specrt.acceptance, rounds=req.specrt.rounds,
                     logprobs=self.logprobs(req),
                     penalties=self.penalties(req), grammar=grammar,
+                    cache_partition=None if tenant is None and req.cache_salt is None else
+                    json.dumps([tenant, req.cache_salt]),
                     stop_token_ids=frozenset(self.token_ids(req.stop_token_ids or [], "stop_token_ids")))
 
     def logprobs(self, req: BaseRequest) -> int | None:
@@ -358,6 +403,11 @@ class Server:
         """The request's processors of the target's logits (None: none)."""
         bias = req.logit_bias or {}
         tokens = self.token_ids([int(t) for t in bias], "logit_bias")
+        same = {}
+        for key, token in zip(bias, tokens):
+            if (other := same.setdefault(token, key)) != key:   # "5" and "05": one id, two biases
+                raise APIError(400, f"logit_bias: the keys {other!r} and {key!r} are both token id {token}: give "
+                                    "each token once, as its id without leading zeros", "logit_bias")
         penalties = Penalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                               1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               tuple(sorted(zip(tokens, bias.values()))))

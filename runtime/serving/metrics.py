@@ -11,6 +11,9 @@ cache serves every method). As vLLM's: `prefix_cache_queries` and `prefix_cache_
 served from the cache), so that hits / queries is the share of prompt tokens not prefilled. specrt's own beside them:
 `prefix_cache_requests` and `prefix_cache_request_hits` (lookups, and those that found a block),
 `prefix_cache_evictions` (blocks), and the gauges `prefix_cache_bytes` and `prefix_cache_max_bytes` (0: no cache).
+Suffix decoding's index of finished outputs (--suffix-cache) likewise: the gauges `suffix_cache_outputs`,
+`suffix_cache_tokens` and `suffix_cache_bytes` (0: none). These figures tell of every client's requests, so they are
+here, behind the API key, and never on the open /health.
 """
 from __future__ import annotations
 
@@ -35,10 +38,11 @@ class Metrics:
     PrefixCache now, or None)."""
 
     def __init__(self, model_name: str, waiting: Callable[[], float],
-                 prefix_cache: Callable[[], object] = lambda: None):
+                 prefix_cache: Callable[[], object] = lambda: None, suffix_cache: Callable[[], object] = lambda: None):
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
         registry.register(_PrefixCacheFigures(model_name, prefix_cache))
+        registry.register(_SuffixCacheFigures(model_name, suffix_cache))
         labels = ["model_name", "method"]
 
         def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
@@ -122,6 +126,23 @@ class _PrefixCacheFigures:
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric([self.model_name], stats.get(key, 0))
                 yield family
+
+
+class _SuffixCacheFigures:
+    """Suffix decoding's index (SuffixCache): its outputs, tokens and bytes, read at each scrape."""
+    GAUGES = (("suffix_cache_outputs", "outputs", "Finished outputs in the suffix cache."),
+              ("suffix_cache_tokens", "used", "Tokens in the suffix cache."),
+              ("suffix_cache_bytes", "nbytes", "Bytes of the suffix cache's index (0: no cache)."))
+
+    def __init__(self, model_name: str, cache: Callable[[], object]):
+        self.model_name, self.cache = model_name, cache
+
+    def collect(self):
+        cache = self.cache()
+        for name, attribute, doc in self.GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], getattr(cache, attribute) if cache is not None else 0)
+            yield family
 
 
 def merge(texts: dict[str, bytes], label: str) -> bytes:

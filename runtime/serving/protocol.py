@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from specrt.decoding.generate import AUTO, METHODS
 from specrt.decoding.sampling import ACCEPTANCE
@@ -20,6 +21,10 @@ from specrt.errors import InputError, SpecrtError
 
 NO_EFFECT = "Accepted; no effect on the answer."
 LOGPROBS_MAX = 20   # alternatives per token (OpenAI's top_logprobs bound; the loop's MAX_LOGPROBS)
+TEMPERATURE_MAX = 2.0   # OpenAI's bound: above it the distribution is noise, and 1/T underflows near float32's end
+STOP_MAX, STOP_CHARS = 16, 256   # stop strings: how many, and the characters of each (a delimiter, never a text: the
+                                 # held-back tail a piece is checked against is at most STOP_CHARS - 1 characters)
+CACHE_SALT_CHARS = 256   # cache_salt: a tenant's or a user's name for its prefix cache partition
 
 
 class Forbid(BaseModel):
@@ -62,17 +67,20 @@ class ResponseFormat(Forbid):
 
 TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]   # logit_bias's keys: token ids as JSON's string keys
 Bias = Annotated[float, Field(ge=-100, le=100)]
+StopString = Annotated[str, Field(min_length=1, max_length=STOP_CHARS)]
 
 
 class BaseRequest(Forbid):
     """The fields both endpoints take."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)   # OpenAI's default 1.0; 0 is greedy
+    temperature: float | None = Field(None, ge=0, le=TEMPERATURE_MAX)   # OpenAI's default 1.0; 0 is greedy
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     n: int = Field(1, ge=1, le=64)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=16)
+    stop: StopString | Annotated[list[StopString], Field(min_length=1, max_length=STOP_MAX)] | None = Field(
+        None, description=f"Up to {STOP_MAX} strings of 1 to {STOP_CHARS} characters: the text ends before the first "
+        "of them to come.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -90,6 +98,22 @@ class BaseRequest(Forbid):
                                                                     "any of these tokens (it is in token_ids, not "
                                                                     "in the text).")
     specrt: SpecrtOptions = Field(default_factory=SpecrtOptions)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_chars(cls, stop):
+        """A stop string beyond STOP_CHARS, named with its length (before the union's branches each say theirs)."""
+        for i, s in enumerate([stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []):
+            if isinstance(s, str) and len(s) > STOP_CHARS:
+                raise PydanticCustomError("string_too_long", "{where} has {chars} characters: a stop string has at "
+                                          "most {limit} (a delimiter, not a text); shorten it",
+                                          {"where": "stop" if isinstance(stop, str) else f"stop[{i}]", "chars": len(s),
+                                           "limit": STOP_CHARS})
+        return stop
+
+    cache_salt: str | None = Field(None, min_length=1, max_length=CACHE_SALT_CHARS, description="vLLM's: the prefix "
+                                   "cache's partition within the API key's; a request reuses only the cached prompts "
+                                   "of requests with the same key and salt (and its cached_tokens count only them).")
     # structured output: OpenAI's response_format, vLLM's guided_regex / guided_grammar extensions (one at most)
     response_format: ResponseFormat | None = None
     guided_regex: str | None = Field(None, description="The whole output matches this regular expression (Rust "

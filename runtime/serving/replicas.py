@@ -161,7 +161,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="specrt", openapi_url=None, docs_url=None, redoc_url=None)   # the replicas' document
-        app.add_middleware(Guard, api_key=self.limits.api_key, max_body=self.limits.max_body_bytes)
+        app.add_middleware(Guard, api_keys=self.limits.keys, max_body=self.limits.max_body_bytes)
 
         @app.get("/metrics")
         async def metrics():

@@ -262,7 +262,8 @@ class Scheduler:
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                             copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"),
-                            grammar=o.get("grammar"), rounds=o.get("rounds", False))
+                            grammar=o.get("grammar"), rounds=o.get("rounds", False),
+                            partition=o.get("cache_partition"))
             self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)

@@ -17,6 +17,7 @@ end with an error.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import hmac
 import logging
@@ -36,7 +37,7 @@ from specrt.errors import InputError, SpecrtError
 from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
 from specrt.decoding.prefix_cache import PrefixCache
-from specrt.serving.completions import Server, tool_use
+from specrt.serving.completions import Server, message_chars, tool_use
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
                                      invalid)
@@ -54,6 +55,7 @@ REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRe
 
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"   # GET /: a chat page over the API
 PUBLIC = ("/health", "/")   # served without the API key: liveness, and the page (its API calls carry the key)
+TENANT = "specrt.tenant"    # the ASGI scope's key for the request's tenant: its API key's name (Guard), else None
 
 MAX_BODY_BYTES = 4 << 20   # a request body's default limit: a prompt that fits 8k tokens, with JSON's escapes
 
@@ -69,20 +71,45 @@ def _too_large(limit: int) -> str:
     return f"the request body is larger than {limit} bytes (--max-body-bytes): shorten it"
 
 
-class Guard:
-    """ASGI middleware in front of the app: the API key (`Authorization: Bearer KEY`, compared in constant time;
-    every path but PUBLIC's) and the request body's size limit (413), before anything reads the body."""
+def tenant(key: str) -> str:
+    """An API key's name as a tenant of the prefix cache (a digest: the key itself is kept nowhere else)."""
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
-    def __init__(self, app, api_key: str | None = None, max_body: int = MAX_BODY_BYTES):
+
+def read_api_keys(path: str | Path) -> tuple[str, ...]:
+    """`--api-key-file`: one key a line (llama.cpp's format), blank lines skipped; each key is a tenant."""
+    try:
+        keys = tuple(dict.fromkeys(line.strip() for line in Path(path).read_text().splitlines() if line.strip()))
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"API key file {path}: cannot be read ({e}); give a text file of one key a line") from e
+    if not keys:
+        raise InputError(f"API key file {path}: no key in it; write one key a line")
+    return keys
+
+
+class Guard:
+    """ASGI middleware in front of the app: the API keys (`Authorization: Bearer KEY`, each compared in constant
+    time; every path but PUBLIC's) and the request body's size limit (413), before anything reads the body. The key
+    a request carries names its tenant (the scope's TENANT)."""
+
+    def __init__(self, app, api_keys: tuple[str, ...] = (), max_body: int = MAX_BODY_BYTES):
         self.app, self.max_body = app, max_body
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), tenant(key)) for key in api_keys]
+
+    def _tenant(self, headers: dict) -> str | None:
+        """The tenant whose key the request carries, None if none (every key is compared: no early exit)."""
+        sent, found = headers.get(b"authorization", b""), None
+        for expected, name in self.expected:
+            if hmac.compare_digest(sent, expected):
+                found = name
+        return found
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in PUBLIC and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        scope[TENANT] = self._tenant(headers) if self.expected else None
+        if self.expected and scope["path"] not in PUBLIC and scope[TENANT] is None:
             response = APIError(401, "no valid API key: send the server's key as `Authorization: Bearer KEY` (the "
                                      "openai client's api_key)", code="invalid_api_key").response()
             response.headers["WWW-Authenticate"] = "Bearer"
@@ -105,11 +132,18 @@ class Guard:
 
 @dataclass(frozen=True)
 class Limits:
-    """Who may call and how much (`specrt serve`'s --api-key, --max-waiting, --request-timeout, --max-body-bytes)."""
+    """Who may call and how much (`specrt serve`'s --api-key, --max-waiting, --request-timeout, --max-body-bytes,
+    --api-key-file)."""
     api_key: str | None = None          # requests must carry `Authorization: Bearer KEY` (all but PUBLIC's paths)
     max_waiting: int | None = None      # requests waiting for a row beyond this get a 429 (None: no bound)
     request_timeout: float | None = None   # seconds from a request's arrival to its end (None: no limit)
     max_body_bytes: int = MAX_BODY_BYTES
+    api_keys: tuple[str, ...] = ()      # more keys (--api-key-file), each a tenant as api_key is
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every key a request may carry; each is a tenant of the prefix cache."""
+        return tuple(dict.fromkeys(((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys)))
 
     def __post_init__(self):
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -120,6 +154,8 @@ class Limits:
             raise InputError(f"max body bytes {self.max_body_bytes}: must be at least 1")
         if self.api_key is not None and not self.api_key.strip():
             raise InputError("API key: empty; give a key, or leave --api-key and SPECRT_API_KEY unset")
+        if any(not key.strip() for key in self.api_keys):
+            raise InputError("API keys: one is empty; give each key on a line of its own")
 
 
 def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
@@ -133,7 +169,7 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
     app = FastAPI(title="specrt", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(Guard, api_key=limits.api_key, max_body=limits.max_body_bytes)
+    app.add_middleware(Guard, api_keys=limits.keys, max_body=limits.max_body_bytes)
     app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(Exception)   # APIError, InputError (400), any other (500): an OpenAI error object
@@ -153,15 +189,11 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
 
     @app.get("/health", responses=error_responses(503))
     async def health():
-        """Liveness: a 503 once the scheduler has died (restart the process)."""
+        """Liveness alone: {"status": "ok"}, a 503 once the scheduler has died (restart the process). It is open
+        to anyone (PUBLIC), so it says nothing of the requests or the caches: /metrics (behind the key) does."""
         if (dead := server.scheduler.dead()) is not None:
             raise dead
-        cache, prefixes = server.gen.suffix_cache, server.gen.prefix_cache
-        return {"status": "ok", "model": server.model_name, "batch": server.scheduler.live,
-                "waiting": len(server.scheduler.waiting),
-                **({"suffix_cache": {"outputs": cache.outputs, "tokens": cache.used, "bytes": cache.nbytes}}
-                   if cache is not None else {}),
-                **({"prefix_cache": prefixes.stats()} if prefixes is not None else {})}
+        return {"status": "ok"}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground():
@@ -181,26 +213,26 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
             "specrt": {"methods": server.methods, "default_method": server.method, "max_seq_len": server.max_len}}]}
 
     @app.post("/v1/completions", responses=ANSWERS)
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
         if isinstance(req.prompt, str):
             server.check_chars(len(req.prompt), "prompt")
         ids = await server.call(server.completion_ids, req.prompt)
         grammar = await server.call(server.grammar, req)
-        return await server.answer(req, ids, server.options(req, ids, "prompt", req.max_tokens, grammar), chat=False)
+        options = server.options(req, ids, "prompt", req.max_tokens, grammar, request.scope.get(TENANT))
+        return await server.answer(req, ids, options, chat=False)
 
     @app.post("/v1/chat/completions", responses=ANSWERS)
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         server.check_model(req.model)
-        server.check_chars(sum(len(m.role) + (len(m.content) if isinstance(m.content, str) else
-                                              sum(len(p.text) for p in m.content or [])) for m in req.messages),
-                           "messages")
+        server.check_chars(sum(map(message_chars, req.messages)), "messages")
         tools = tool_use(req)
         if tools is not None:
             server.check_chars(len(json.dumps(tools.shown)), "tools")
         ids = await server.call(server.chat_ids, req.messages, tools and tools.shown)
         grammar = await server.call(server.grammar, req, tools)
-        options = server.options(req, ids, "messages", req.max_completion_tokens or req.max_tokens, grammar)
+        options = server.options(req, ids, "messages", req.max_completion_tokens or req.max_tokens, grammar,
+                                 request.scope.get(TENANT))
         return await server.answer(req, ids, options, chat=True, tools=tools)
 
     return app
