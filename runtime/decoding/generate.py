@@ -204,12 +204,13 @@ class Generator:
         return DynamicTree(top_k=1, depth=shape.depth, nodes=shape.depth) if self.chains_only else shape
 
     # ---- inputs -------------------------------------------------------------------------------------------
-    def grammar(self, kind: str, spec=None) -> Grammar:
-        """A grammar for this engine set's tokenizer (grammar.compile_grammar: cached), for generate(grammar=...)
-        and Batch.join."""
+    def grammar(self, kind: str, spec=None, isolated: bool = False) -> Grammar:
+        """A grammar for this engine set's tokenizer (grammar.compile_grammar: cached, within grammar.LIMITS;
+        `isolated`: compiled in a child process first, as a server compiles its requests'), for
+        generate(grammar=...) and Batch.join."""
         if self.tokenizer is None:
             raise InputError(f"{self.directory} has no tokenizer: grammars are compiled over one")
-        return grammar.compile_grammar(self.tokenizer, kind, spec)
+        return grammar.compile_grammar(self.tokenizer, kind, spec, isolated=isolated)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -353,6 +354,8 @@ class Generator:
             while True:
                 yield batch.run
                 for row, tokens in batch.retire():
+                    if row.stop_reason == "grammar_error":   # its matcher failed (grammar.Matcher.error)
+                        raise row.matcher.error
                     outputs[row.owner] = (row, tokens)
                 if not batch.run.batch:
                     break
@@ -618,12 +621,13 @@ class Generator:
             if row.context is not None:
                 row.context.add(new)
             if row.matcher is not None:
-                row.matcher.advance(new)
+                row.matcher.commit(new)
             for tok in new:
                 tokens[b, length] = tok
                 length += 1
             run.host_lengths[b] = length
-            reason = ("eos" if eos is not None else "max_new_tokens" if length - row.prompt_len >= row.max_new else
+            reason = ("grammar_error" if row.matcher is not None and row.matcher.error is not None else
+                      "eos" if eos is not None else "max_new_tokens" if length - row.prompt_len >= row.max_new else
                       "max_seq_len" if length >= run.max_len else None)
             if reason:
                 run.active[b], row.stop_reason = False, reason

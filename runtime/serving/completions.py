@@ -10,12 +10,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import jinja2
 from fastapi.responses import StreamingResponse
 
 from specrt.decoding.generate import AUTO, METHODS, Generator
-from specrt.decoding.grammar import Grammar
+from specrt.decoding.grammar import Grammar, library as grammar_library
 from specrt.decoding.processors import Penalties
 from specrt.decoding.run import MODEL_FREE
 from specrt.decoding.sampling import SamplingParams
@@ -254,6 +255,7 @@ class Server:
         self.token_chars = max(map(len, gen.tokenizer.get_vocab())) if gen.tokenizer is not None else None
         self.token_texts = TokenTexts(gen.tokenizer)   # logprobs' token texts and bytes
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
+        self.compiling = ThreadPoolExecutor(1, thread_name_prefix="specrt-grammar")   # grammar(): see compiled()
         self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting), lambda: self.gen.prefix_cache,
                                lambda: self.gen.suffix_cache)
         self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
@@ -266,6 +268,7 @@ class Server:
     def close(self) -> None:
         self.scheduler.close()
         self.tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.compiling.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests --------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -317,10 +320,9 @@ class Server:
             raise APIError(400, f"messages: the model's chat template refused them: {e}", "messages") from e
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
-    def grammar(self, req: BaseRequest, tools: Tools | None = None) -> Grammar | None:
-        """The grammar the request's output follows (compiled, or from the cache), None for free text: its
-        response_format, guided_regex, guided_grammar or forced tool call, one at most. A spec that does not compile
-        is a 400 naming its field. Runs on the tokenizing thread."""
+    def asked_grammar(self, req: BaseRequest, tools: Tools | None = None) -> tuple[str, str, object] | None:
+        """The grammar the request's output follows, as (its field, kind, spec), None for free text: its
+        response_format, guided_regex, guided_grammar or forced tool call, one at most."""
         fmt, asked = req.response_format, []
         if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
             raise APIError(400, f"response_format: type {fmt.type!r} " + ("needs json_schema" if fmt.json_schema
@@ -333,14 +335,26 @@ class Server:
             asked.append(("guided_grammar", "grammar", req.guided_grammar))
         if tools is not None and tools.forced is not None:
             asked.append(("tools", "json_schema", tools.forced))
-        if not asked:
-            return None
         if len(asked) > 1:
             names = [name if name != "tools" else "tool_choice" for name, *_ in asked]
             raise APIError(400, f"{names[1]}: the output follows one of {' and '.join(names)}, not both", names[1])
-        param, kind, spec = asked[0]
+        return asked[0] if asked else None
+
+    async def compiled(self, req: BaseRequest, tools: Tools | None = None) -> Grammar | None:
+        """The request's grammar (asked_grammar) compiled, or from the cache, on the thread that compiles grammars,
+        one at a time, never on the tokenizing thread that every request needs: one that takes seconds (10 at most)
+        holds up only the grammars behind it. A spec that does not compile is a 400 naming its field, as is one
+        past the server's bounds (grammar.Limits), compiled first in a child process (grammar.Sandbox) so that one
+        that crashes the compiler or runs away costs that process only."""
+        asked = self.asked_grammar(req, tools)
+        if asked is None:
+            return None
+        param, kind, spec = asked
         try:
-            return self.gen.grammar(kind, spec)
+            if self.gen.tokenizer is not None:   # its llguidance twin: made once, on the tokenizer's own thread
+                await self.call(grammar_library, self.gen.tokenizer)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.compiling, partial(self.gen.grammar, kind, spec, isolated=True))
         except InputError as e:
             raise APIError(400, f"{param}: {e}", param) from e
 

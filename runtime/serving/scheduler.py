@@ -269,8 +269,13 @@ class Scheduler:
             job.put(e)
 
     def _fail(self, e: Exception) -> None:
-        """A round failed: every request of the batch is answered with the error, its rows are let go; the next
-        batch is made afresh (for the waiting requests, or for the rest of this round's admissions)."""
+        """A round failed: every request of the batch is answered with a 500 that names the error's type only (its
+        message may carry one request's text: the log has it), its rows are let go; the next batch is made afresh
+        (for the waiting requests, or for the rest of this round's admissions). `e` itself when the server ends
+        them all."""
+        if not isinstance(e, APIError) or e.status != 503:
+            e = APIError(500, f"a round of the batch this request was decoded in failed ({type(e).__name__}; the "
+                              "server's log has the details): send it again", code="round_failed")
         if self.batch is not None:
             joining = [o for j in self.batch.joining for o in j.owners]
             for job in {owner[0] for owner in [row.owner for row in self.batch.run.rows] + joining}:
@@ -292,6 +297,10 @@ class Scheduler:
             return
         run, now = batch.run, time.perf_counter()
         failed: set[Job] = set()   # requests whose own work here failed: answered with the error, their rows freed
+        for row in run.rows:   # a row whose grammar matcher failed: its request alone gets the matcher's error
+            if row.stop_reason == "grammar_error" and row.owner[0] not in failed:
+                failed.add(row.owner[0])
+                row.owner[0].put(row.matcher.error)
         for b, row in enumerate(run.rows):
             ids = run.new_tokens(b)
             if ids and row.owner[0] not in failed:

@@ -218,7 +218,7 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         if isinstance(req.prompt, str):
             server.check_chars(len(req.prompt), "prompt")
         ids = await server.call(server.completion_ids, req.prompt)
-        grammar = await server.call(server.grammar, req)
+        grammar = await server.compiled(req)
         options = server.options(req, ids, "prompt", req.max_tokens, grammar, request.scope.get(TENANT))
         return await server.answer(req, ids, options, chat=False)
 
@@ -230,7 +230,7 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         if tools is not None:
             server.check_chars(len(json.dumps(tools.shown)), "tools")
         ids = await server.call(server.chat_ids, req.messages, tools and tools.shown)
-        grammar = await server.call(server.grammar, req, tools)
+        grammar = await server.compiled(req, tools)
         options = server.options(req, ids, "messages", req.max_completion_tokens or req.max_tokens, grammar,
                                  request.scope.get(TENANT))
         return await server.answer(req, ids, options, chat=True, tools=tools)
