@@ -48,6 +48,8 @@ def test_export_caps_max_seq_len_at_the_models_positions(tmp_path):
 
 @pytest.mark.parametrize("kw, pattern", [
     (dict(temperature=-0.5), "temperature -0.5"),
+    (dict(temperature=1e300), "temperature 1e.300: at most 100"),   # 1 / T is 0 in float32: NaN under a mask
+    (dict(temperature=float("nan")), "temperature nan"),
     (dict(temperature=1.0, top_p=0.0), "top_p 0.0"),
     (dict(temperature=1.0, top_p=1.5), "top_p 1.5"),
     (dict(temperature=1.0, top_k=-1), "top_k -1"),

@@ -12,6 +12,7 @@ ACCEPTANCE = ("exact", "typical")   # the verification rules: exact (the target'
 # Below it, logits / temperature can overflow float32 (1e-39 does: NaN probabilities, an id out of the vocabulary);
 # sampling there is greedy decoding but for exact ties.
 MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 100.0   # above it: an InputError (SamplingParams); the server takes 0 to 2, as OpenAI does
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise InputError(f"temperature {self.temperature:g}: between 0 and {MIN_TEMPERATURE:g} the logits divided "
                              "by it overflow float32, and sampling at it is greedy decoding: send 0 for greedy")
+        if not self.temperature <= MAX_TEMPERATURE:   # (nan and inf too)
+            raise InputError(f"temperature {self.temperature:g}: at most {MAX_TEMPERATURE:g} (1 / T rounds to 0 in "
+                             "float32 past 3e38, and a masked logit, -inf, times 0 is NaN; at 100 the distribution is "
+                             "all but uniform already): send a temperature of 0 to 2, as OpenAI's API takes")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p {self.top_p}: must be in (0, 1] (1 turns it off)")
         if self.top_k < 0:
