@@ -131,10 +131,13 @@ def beside_a_victim(s: Served, hostile_text: list[str]):
 
 
 def error_of(answer) -> dict | None:
-    """The error object of an answer: (status, doc) or a stream's events."""
-    if isinstance(answer, tuple):
-        return answer[1].get("error")
-    return next((e["error"] for e in answer if isinstance(e, dict) and "error" in e), None)
+    """The error object of an answer: (status, doc), or a stream's events (a refused stream: its (status, doc))."""
+    for e in [answer] if isinstance(answer, tuple) else answer:
+        if isinstance(e, tuple):
+            return e[1].get("error")
+        if isinstance(e, dict) and "error" in e:
+            return e["error"]
+    return None
 
 
 # ---- the repros ---------------------------------------------------------------------------------------------------
@@ -157,9 +160,10 @@ def test_a_grammar_that_fails_mid_answer_ends_its_own_row(served):
     with beside_a_victim(served, ["r49", "s s", "aaaa"]):
         events = list(sse(served.url, {"prompt": "Write:", "max_tokens": 48, "temperature": 0,
                                        "guided_grammar": grammar, "logit_bias": {"81": 100}}))
-        error = error_of(events)
-        assert error is not None and error["code"] != "scheduler_died", events[-3:]
-        if not isinstance(events, tuple) and events[-1] == "[DONE]":
+        error = error_of(events)   # a 400, before the stream or in its error chunk: its own, not the server's
+        assert error is not None and error["type"] == "invalid_request_error", events[-3:]
+        assert served.reference[:12] not in error["message"], error   # nothing of the victim's text
+        if isinstance(events[-1], str):
             assert isinstance(events[-2], dict) and "error" in events[-2], events[-3:]
 
 
