@@ -1,16 +1,21 @@
 """Structured output under speculation: a grammar masks the target's distribution at every verified node, so
 greedy output equals constrained autoregressive decoding (and a step-by-step reference through transformers) with
-every method, answers parse and validate, rows with different grammars or none share a batch, and a sampled
-answer under a schema is still a valid one."""
+every method, answers parse and validate, rows with different grammars or none share a batch, a sampled answer
+under a schema is still a valid one, no draft outside the grammar is verified, and on a tiny model with a tokenizer
+of its own the chi-square test against the exact masked distribution passes."""
 from __future__ import annotations
 
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
-from specrt.decoding.grammar import Matcher
+from conftest import export_tiny, tiny_model
+from test_speculative import P_MIN, chi_square_p
+from specrt.decoding.generate import Generator
+from specrt.decoding.grammar import Matcher, compile_grammar
 from specrt.errors import InputError
 
 METHODS = ["autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]
@@ -114,3 +119,90 @@ def test_forced_tokens_ride_in_the_rounds_passes(default_generator, monkeypatch)
     plain = gen.generate(prompt, max_new_tokens=64, method="ngram", grammar=("json_schema", PERSON))
     assert plain.token_ids == drafted.token_ids
     assert drafted.stats["rounds"] < plain.stats["rounds"]
+
+
+def outside_grammar(grammar, vocab: int, rounds) -> tuple[int, int]:
+    """(drafts verified outside the grammar, drafts verified) over one sequence's Rounds: each round's drafts
+    walked from the output before it by a matcher of the row's grammar."""
+    matcher, outside, drafted = Matcher(grammar, vocab), 0, 0
+    for r in rounds:
+        inside = matcher.advance(r.drafted)
+        outside, drafted = outside + len(r.drafted) - inside, drafted + len(r.drafted)
+        matcher.rollback(inside)
+        assert matcher.advance(r.tokens) == len(r.tokens)
+    return outside, drafted
+
+
+# ---- a tiny model with a tokenizer of its own: drafts under a grammar, and the law of sampling under it -----------
+TINY_V = 24   # the model's vocabulary: the tokenizer's 16 tokens, then 8 the grammar never allows
+TINY_TOKENS = ["<eos>", "a", "b", "c", "d", "ab", "ba", "aa", "bb", "cd", "dc", "=", "x", "y", "cc", "dd"]
+TINY_REGEX = "[ab]{2}=[cd]+"   # two letters, then `=` (forced: no token has it with more), then c and d
+N = 20000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama target over TINY_V tokens, its draft model the target a little disturbed (drafts accepted and
+    refused), a byte-level BPE tokenizer of TINY_TOKENS and TINY_REGEX compiled for it. -> (gen, model, tok, g)"""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    merges = [("a", "b"), ("b", "a"), ("a", "a"), ("b", "b"), ("c", "d"), ("d", "c"), ("c", "c"), ("d", "d")]
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TINY_TOKENS)}, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    draft = tiny_model("llama", seed=1, vocab=TINY_V, init=0.3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    directory, model = export_tiny(tmp_path_factory.mktemp("grammar"), "llama", seed=1, draft=draft, vocab=TINY_V,
+                                   init=0.3, max_seq_len=48)
+    return Generator.from_engines(directory), model, tok, compile_grammar(tok, "regex", TINY_REGEX)
+
+
+def test_chains_stop_at_the_first_draft_the_grammar_refuses(tiny):
+    """Deterministic drafts (prompt lookup, a greedy draft model) are cut at the first one the grammar refuses: no
+    draft outside the grammar is verified. The prompt offers lookups that leave it (`x`, `y` after `=c…`)."""
+    gen, _, tok, g = tiny
+    prompt = tok("ab=cdxab=cxab=ddy")["input_ids"]
+    for method, temperature in (("ngram", 0.0), ("draft", 0.0), ("ngram", 1.0)):
+        out = gen.generate(prompt_ids=[prompt] * 4, max_new_tokens=12, method=method, temperature=temperature,
+                           seed=3, adaptive=False, gamma=3, grammar=g, rounds=True)
+        counts = [outside_grammar(g, TINY_V, rounds) for rounds in out.rounds]
+        assert sum(n for n, _ in counts) == 0, (method, temperature, counts)
+        assert all(drafted for _, drafted in counts), (method, temperature, counts)
+
+
+def exact_masked_joint(model, g, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) of the target masked by the grammar at each step (transformers, the grammar's own
+    matcher), temperature applied in plain torch."""
+    def step(out):
+        m = Matcher(g, TINY_V)
+        assert m.advance(out) == len(out)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        logits[~torch.from_numpy(m.allowed())] = float("-inf")
+        return torch.softmax(logits / temperature, -1)
+    joint = np.zeros((TINY_V,) * 3)
+    p1 = step([])
+    for a in torch.nonzero(p1)[:, 0].tolist():
+        p2 = step([a])
+        for b in torch.nonzero(p2)[:, 0].tolist():
+            joint[a, b] = (p1[a] * p2[b] * step([a, b])).numpy()
+    return joint
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_under_a_grammar_is_the_masked_target(tiny, method):
+    """Chi-square over the first three tokens of 20,000 sequences under TINY_REGEX at T = 1 (a forced `=` among
+    them), against the exact masked distribution: sampled drafts the grammar refuses (the draft model's) and
+    steered lookup chains (forced tokens as certain drafts) keep the law."""
+    gen, model, tok, g = tiny
+    prompt = tok("ab=cdxba=dcy")["input_ids"]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=13,
+                       adaptive=False, temperature=1.0, grammar=g)
+    rate = out.stats["acceptance_rate"]
+    assert 0 < rate and (rate < 1 or method == "ngram")   # drafts accepted (and the draft model's refused too)
+    p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
+    print(f"{method} under a grammar: chi-square p = {p:.4f}, acceptance {rate:.3f}")
+    assert p > P_MIN
