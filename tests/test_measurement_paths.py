@@ -90,10 +90,9 @@ def test_bench_serve_repeat_with_suffix_cache(talking, tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
         assert 1 <= r["tokens_per_round"] <= tokens and r["server_rss_mb"] > 50
     assert report["second_pass_ratio"] == pytest.approx(results[3]["tokens_per_s"] / results[1]["tokens_per_s"])
-    assert "suffix_cache" not in results[1]["health"]
-    assert results[3]["health"]["suffix_cache"] == {"outputs": 2 * requests + 1,
-                                                    "tokens": 2 * requests * (tokens + 1) + 8 + 1,
-                                                    "bytes": int(mb * 2**20) // 4 * 4}
+    assert results[1]["suffix_cache"] is None
+    assert results[3]["suffix_cache"] == {"outputs": 2 * requests + 1, "tokens": 2 * requests * (tokens + 1) + 8 + 1,
+                                          "bytes": int(mb * 2**20) // 4 * 4}
     table = (out / "serve_bench.md").read_text()
     assert f"| {mb} MB | 2 | {results[3]['tokens_per_s']:.1f} |" in table and "| none | 1 |" in table
     assert f"{report['second_pass_ratio']:.2f}× the second pass without" in table
