@@ -411,7 +411,7 @@ def tune_tree(engines, method, max_nodes, width, device):
               "runs with other threads does not use the tuning.")
 def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threads):
     """Measure every method ENGINES can run on this machine (calibration prompts, greedy and sampled, alternating
-    per prompt) and record the fastest per regime with ENGINES, with the pass times and the adaptive policies'
+    per prompt, and again under a JSON schema of its own) and record the fastest per regime with ENGINES, with the pass times and the adaptive policies'
     figures that let a new process start warm: `--method auto` (the default) uses them."""
     from specrt.measurement.tune import TuneConfig, tune as run
     cfg = TuneConfig(prompts=num_prompts, new_tokens=max_new_tokens, temperature=temperature, trees=trees,
@@ -420,7 +420,7 @@ def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threa
         result = run(engines, cfg, log=_log)
     except SpecrtError as e:
         _fail(e)
-    click.echo(f"auto: {result.methods['greedy']} (greedy), {result.methods['sampled']} (sampled)")
+    click.echo("auto: " + ", ".join(f"{m} ({r.replace('+', ' with a ')})" for r, m in result.methods.items()))
 
 
 @main.command()

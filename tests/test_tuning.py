@@ -22,7 +22,8 @@ from specrt.export.eagle import new_eagle, save_eagle
 from specrt.export.model import from_hf
 from specrt.export.pipeline import export_engines
 from specrt.measurement.demo import demo
-from specrt.measurement.tune import TuneConfig, tune
+from specrt.measurement.tune import GRAMMAR_PROMPTS, GRAMMAR_SCHEMA, TuneConfig, tune
+from specrt.serving.scheduler import Job
 
 V, MAX_LEN = 64, 128
 PROMPT = [3, 9, 4, 3, 9, 4, 3]
@@ -162,6 +163,28 @@ def test_the_rule_without_eagle_or_drafters(tuned, tiny_engines, tmp_path):
     assert Generator.from_engines(no_eagle).generate(prompt_ids=PROMPT, max_new_tokens=4).stats["method"] == "draft"
     alone = Generator.from_engines(tiny_engines["llama"][0])
     assert alone.generate(prompt_ids=PROMPT, max_new_tokens=4).stats["method"] == "ngram"
+
+
+@pytest.mark.slow
+def test_auto_under_a_grammar_runs_what_the_tuning_measured_with_one(default_generator, monkeypatch):
+    """The default set's tuning (make engines) raced every method under a JSON schema too; `auto` runs that regime's
+    choice for a request with a grammar and the plain regime's for one without, and the server batches the two
+    apart under `auto` only."""
+    gen = default_generator
+    speeds = gen.tuning.speeds
+    for regime in ("greedy", "sampled"):
+        assert set(speeds[regime + tuning.GRAMMAR]) == set(speeds[regime]), speeds   # every method, both ways
+    monkeypatch.setitem(gen.tuning.methods, "greedy", "eagle")
+    monkeypatch.setitem(gen.tuning.methods, "greedy+grammar", "ngram")
+    schema = gen.grammar("json_schema", GRAMMAR_SCHEMA)
+    ids = gen.encode(GRAMMAR_PROMPTS[0])
+    constrained = gen.generate(prompt_ids=ids, max_new_tokens=6, grammar=schema).stats
+    free = gen.generate(prompt_ids=ids, max_new_tokens=6).stats
+    assert (constrained["method"], constrained["method_from"]) == ("ngram", "tuning")
+    assert (free["method"], free["method_from"]) == ("eagle", "tuning")
+    options = dict(method="auto", gamma=None, tree=False, adaptive=True, temperature=0.0, seed=None)
+    key = lambda **o: Job(ids, {**options, **o}, 1, print).key   # noqa: E731
+    assert key(grammar=schema) != key() and key(method="ngram", grammar=schema) == key(method="ngram")
 
 
 @pytest.mark.slow

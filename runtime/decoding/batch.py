@@ -29,7 +29,8 @@ class Batch:
     prefill passes one `prefill` call at a time between the rounds (chunked prefill: a long prompt does not stall
     the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
     rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
-    stop. Speculation follows the batch size: with several rows live, a round speculates only where the measured
+    stop (`constrained`: its requests have grammars, and `auto` runs the tuning's method for that). Speculation
+    follows the batch size: with several rows live, a round speculates only where the measured
     pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
     free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
     on it."""
@@ -37,9 +38,10 @@ class Batch:
     def __init__(self, gen: "Generator", capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
-                 tree_choices=None, adaptive: bool = True, acceptance: str = "exact", min_p: float = 0.0):
+                 tree_choices=None, adaptive: bool = True, acceptance: str = "exact", min_p: float = 0.0,
+                 constrained: bool = False):
         params = SamplingParams(temperature, top_k, top_p, seed, acceptance, min_p)
-        method, self.method_from = gen.method_for(method, params.greedy)
+        method, self.method_from = gen.method_for(method, params.greedy, constrained)
         # what the last request of this regime measured (acceptance, EAGLE's calibration) seeds this one's policies;
         # typical acceptance accepts more than exact, so its requests keep their own figures, which start from the
         # sampled regime's and never reach the tuning (Generator.measured reads the greedy and sampled regimes)

@@ -186,13 +186,15 @@ class Generator:
                 out["eagle"][regime] = self._eagle_figures[greedy].to_json()
         return out
 
-    def method_for(self, method: str, greedy: bool) -> tuple[str, str]:
+    def method_for(self, method: str, greedy: bool, constrained: bool = False) -> tuple[str, str]:
         """The method a request runs and where it came from: "request" (named), "tuning" (`auto`: the tuning's
-        fastest for the regime) or "rule" (`auto` without a tuning for this machine: tuning.rule)."""
+        fastest for the regime, with a grammar where the request has one and the tuning measured that) or "rule"
+        (`auto` without a tuning for this machine: tuning.rule)."""
         if method != AUTO:
             return method, "request"
         if self.tuning is not None:
-            chosen = self.tuning.methods.get("greedy" if greedy else "sampled")
+            methods = self.tuning.methods
+            chosen = methods.get(tuning.regime(greedy, constrained)) or methods.get(tuning.regime(greedy))
             if chosen in METHODS and (chosen in MODEL_FREE or self.has(chosen)):
                 return chosen, "tuning"
         return tuning.rule(self), "rule"
@@ -344,7 +346,7 @@ class Generator:
             batch = self.batch(len(prompts) * n, room, method=method, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, gamma=gamma, ngram_max=ngram_max, ngram_min=ngram_min,
                                tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance,
-                               min_p=min_p)
+                               min_p=min_p, constrained=grammar is not None)
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,

@@ -2,7 +2,7 @@
 
 `specrt tune ENGINES` (specrt.measurement.tune) measures each method the set can run on calibration prompts and
 writes `tuning.json` beside the engines, recorded with its hash in the manifest like the trees: per temperature
-regime (greedy, sampled) the fastest method, and the figures a process would otherwise measure again or learn in
+regime (greedy, sampled), without and with a grammar, the fastest method, and the figures a process would otherwise measure again or learn in
 its first requests: the target's pass times by batch size and width, the draft model's step, the EAGLE drafter's
 pass over a tree level, and what the tuning's last request of each method left its adaptive policies (a chain's
 acceptance, a tree's tokens and seconds per round, EAGLE's calibration and prompt lookup's rates). A Generator
@@ -26,14 +26,20 @@ AUTO = "auto"
 FILE = "tuning.json"
 FORMAT = 1
 REGIMES = ("greedy", "sampled")
+GRAMMAR = "+grammar"   # a regime's requests with a grammar (structured output): "greedy+grammar", "sampled+grammar"
+
+
+def regime(greedy: bool, constrained: bool = False) -> str:
+    """The key of a request's regime in a tuning's `methods` and `speeds`."""
+    return ("greedy" if greedy else "sampled") + (GRAMMAR if constrained else "")
 
 
 @dataclass
 class Tuning:
     machine: dict                       # where it was measured (see machine())
     engines: dict[str, str]             # role -> sha256 of the engine measured
-    methods: dict[str, str]             # regime -> the method `auto` runs
-    speeds: dict[str, dict[str, float]]  # regime -> method -> tokens/s measured
+    methods: dict[str, str]             # regime (and regime+grammar, see regime()) -> the method `auto` runs
+    speeds: dict[str, dict[str, float]]  # the same keys -> method -> tokens/s measured
     passes: dict[int, dict[int, float]]  # batch size -> width -> seconds of a target pass
     draft_step: float = 0.0             # seconds of a draft-model step (0: none measured)
     eagle_level: dict = field(default_factory=dict)   # {"top_k": k, "seconds": {batch: s}}: a level over 2k nodes

@@ -3,8 +3,10 @@
 Measures, in one process: the tree shapes (as `tune-tree` does: EAGLE's dynamic tree, the Medusa heads' tree; on
 float32 targets), the target's pass times by batch size and width, then every method the engine set can run on
 calibration prompts (never the benchmark set), greedy and sampled, alternating the methods prompt by prompt so
-that a slow spell of a shared machine falls on all of them. Records the fastest per regime and what the runs left
-the adaptive policies in the engine directory (specrt.decoding.tuning); `--method auto` uses it.
+that a slow spell of a shared machine falls on all of them; and again with a grammar (GRAMMAR_SCHEMA, on prompts that
+ask for JSON), where a grammar's forced tokens and its masks change what pays. Records the fastest per regime and
+what the runs without a grammar left the adaptive policies in the engine directory (specrt.decoding.tuning);
+`--method auto` uses it, per request by whether it has a grammar.
 """
 from __future__ import annotations
 
@@ -19,6 +21,22 @@ from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
 from specrt.decoding.generate import MAX_GAMMA, METHODS, Generator
 from specrt.engines.manifest import read_manifest
 from specrt.errors import InputError
+
+
+# The grammar regimes' workload: a JSON schema of its own making (keys the grammar forces, free strings, numbers, an
+# enum and an array) on prompts that ask for such an object (never the benchmark set).
+GRAMMAR_SCHEMA = {"type": "object", "additionalProperties": False,
+                  "required": ["title", "author", "year", "genre", "keywords", "summary"],
+                  "properties": {"title": {"type": "string"}, "author": {"type": "string"},
+                                 "year": {"type": "integer"}, "genre": {"enum": ["fiction", "science", "history",
+                                                                                 "poetry", "other"]},
+                                 "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                                 "summary": {"type": "string"}}}
+GRAMMAR_PROMPTS = [
+    "Describe a book about bicycles as a JSON object with its title, author, year, genre, keywords and summary.",
+    "Describe a book that teaches a new language as JSON: title, author, year, genre, keywords and a summary.",
+    "Give a JSON record of a children's book about the weather: title, author, year, genre, keywords, summary.",
+]
 
 
 @dataclass
@@ -50,14 +68,23 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
             gen.eagle_costs(b, gen.eagle_shape())
     methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
     speeds, acceptance = {}, {}
-    for regime in tuning.REGIMES:
+    regimes = [(r, grammar) for grammar in (True, False) for r in tuning.REGIMES]   # the policies keep the last
+    if gen.tokenizer is None:
+        regimes = regimes[len(tuning.REGIMES):]
+        log("no tokenizer: the regimes with a grammar are not measured (auto runs the same method for them)")
+    for i, (regime, grammar) in enumerate(regimes):
         temperature = 0.0 if regime == "greedy" else cfg.temperature
-        speeds[regime], acceptance[regime] = _race(gen, methods, prompts, cfg.new_tokens, temperature,
-                                                   warm_up=regime == tuning.REGIMES[0])
+        key = tuning.regime(regime == "greedy", grammar)
+        if grammar:
+            asked = [gen.encode(p) for p in GRAMMAR_PROMPTS[:min(cfg.prompts, len(GRAMMAR_PROMPTS))]]
+            speeds[key], acceptance[key] = _race(gen, methods, asked, cfg.new_tokens, temperature, warm_up=i == 0,
+                                                 grammar=gen.grammar("json_schema", GRAMMAR_SCHEMA))
+        else:
+            speeds[key], acceptance[key] = _race(gen, methods, prompts, cfg.new_tokens, temperature, warm_up=i == 0)
     rule = tuning.rule(gen)
-    chosen = {r: _fastest(speeds[r], rule, cfg.margin) for r in tuning.REGIMES}
-    for r in tuning.REGIMES:
-        line = ", ".join(f"{m} {v:.1f}" for m, v in sorted(speeds[r].items(), key=lambda kv: -kv[1]))
+    chosen = {r: _fastest(v, rule, cfg.margin) for r, v in speeds.items()}
+    for r, v in speeds.items():
+        line = ", ".join(f"{m} {t:.1f}" for m, t in sorted(v.items(), key=lambda kv: -kv[1]))
         log(f"{r}: tokens/s {line} -> {chosen[r]}")
     result = tuning.Tuning(machine=gen.machine, engines=tuning.engine_hashes(gen.manifest), methods=chosen, speeds=speeds,
                            acceptance=acceptance, measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -93,11 +120,11 @@ def _trees(gen: Generator, prompts: list[list[int]], log) -> None:
 
 
 def _race(gen: Generator, methods: list[str], prompts: list[list[int]], new_tokens: int,
-          temperature: float, warm_up: bool = True) -> tuple[dict[str, float], dict[str, list]]:
+          temperature: float, warm_up: bool = True, grammar=None) -> tuple[dict[str, float], dict[str, list]]:
     """Tokens per second of each method over the prompts (the methods' order rotating from prompt to prompt; with
     `warm_up`, each method runs briefly first: a drafter loads at its first use), and each speculative method's
-    acceptance per draft position over them."""
-    kw = dict(max_new_tokens=new_tokens, temperature=temperature)
+    acceptance per draft position over them; under `grammar` where one is given."""
+    kw = dict(max_new_tokens=new_tokens, temperature=temperature, grammar=grammar)
     for m in methods if warm_up else ():
         gen.generate(prompt_ids=prompts[0], method=m, **dict(kw, max_new_tokens=8))
     tokens, seconds, per_position = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0), {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrt.decoding.generate import MAX_MEASURED_BATCH, Batch, Detokenizer, Generator
+from specrt.decoding.generate import AUTO, MAX_MEASURED_BATCH, Batch, Detokenizer, Generator
 from specrt.errors import InputError
 from specrt.serving.metrics import Metrics
 from specrt.serving.protocol import APIError
@@ -57,13 +57,15 @@ class Job:
     def key(self):
         """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
         ignores top-k, top-p and min-p). A seeded request runs in a batch of its own, so that its seed reproduces it.
-        Penalties, logit_bias, logprobs and grammars are each row's own."""
+        Penalties, logit_bias, logprobs and grammars are each row's own; but `auto` may run another method for
+        requests with a grammar (Generator.method_for), so under `auto` those batch apart from those without."""
         o = self.options
         sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o.get("min_p", 0.0),
                                                          o["acceptance"])
         if o["seed"] is not None:
             sampling = (self,)
-        return (o["method"], o["gamma"], o["tree"], o["adaptive"], *sampling)
+        method = (o["method"], o.get("grammar") is not None) if o["method"] == AUTO else o["method"]
+        return (method, o["gamma"], o["tree"], o["adaptive"], *sampling)
 
 
 @dataclass
@@ -257,7 +259,7 @@ class Scheduler:
                 self.batch = self.gen.batch(self.capacity, method=o["method"], temperature=o["temperature"],
                                             top_k=o["top_k"], top_p=o["top_p"], seed=o["seed"], gamma=o["gamma"],
                                             tree=o["tree"], adaptive=o["adaptive"], acceptance=o["acceptance"],
-                                            min_p=o.get("min_p", 0.0))
+                                            min_p=o.get("min_p", 0.0), constrained=o.get("grammar") is not None)
             job.texts = [Detokenizer(self.gen.tokenizer) for _ in range(job.copies)]
             job.latency = [Latency() for _ in range(job.copies)]
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
