@@ -1206,6 +1206,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "zone": {"type": "string", "maxLength": 24}},
                                                "required": ["zone"], "additionalProperties": False}}}]
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TIME = [{"role": "user", "content": "What time is it now in Tokyo? Give me the time in the Asia/Tokyo time zone."}]
 
 
 def parameters(name: str) -> dict:
@@ -1244,19 +1245,19 @@ def test_response_format_follows_its_schema_as_constrained_autoregressive(smol):
 
 @pytest.mark.slow
 def test_tool_calls_round_trip_through_the_client(smol):
-    """tool_choice required (two tools) and a named function answer tool_calls whose arguments validate against the
-    tool's parameters, the same streamed (reassembled from the deltas); a follow-up turn with the tool's result is
-    accepted; none answers text; an unknown named function is a 400."""
+    """tool_choice required (two tools, a question for the second) and a named function answer tool_calls whose
+    arguments validate against the tool's parameters, the same streamed (reassembled from the deltas); a follow-up
+    turn with the tool's result is accepted; none answers what the request without tools answers (the tools not
+    shown), auto another answer (they are); an unknown named function is a 400."""
     gen, url = smol
     api = client(url)
-    ask = dict(model="default", messages=WEATHER, tools=TOOLS, max_tokens=48, temperature=0)
-    names = {t["function"]["name"] for t in TOOLS}
-    for choice_, allowed in (("required", names), ({"type": "function", "function": {"name": "get_time"}},
-                                                   {"get_time"})):
+    ask = dict(model="default", messages=TIME, tools=TOOLS, max_tokens=48, temperature=0)
+    for choice_, want in (("required", "get_time"), ({"type": "function", "function": {"name": "get_weather"}},
+                                                     "get_weather")):
         choice = api.chat.completions.create(**ask, tool_choice=choice_).choices[0]
         assert (choice.finish_reason, choice.message.content) == ("tool_calls", None), choice
         call = choice.message.tool_calls[0]
-        assert call.type == "function" and call.function.name in allowed and call.id, call
+        assert call.type == "function" and call.function.name == want and call.id, (choice_, call)
         jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
         if choice_ == "required":
             required = call
@@ -1272,12 +1273,17 @@ def test_tool_calls_round_trip_through_the_client(smol):
     assert reason == "tool_calls" and streamed == {0: {"name": call.function.name,
                                                        "arguments": call.function.arguments}}, streamed
 
-    turns = WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                       {"role": "tool", "tool_call_id": call.id, "content": "21 degrees, sunny"}]
+    turns = TIME + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
     answer = api.chat.completions.create(**{**ask, "messages": turns}, tool_choice="auto").choices[0]
     assert answer.finish_reason in ("stop", "length", "tool_calls"), answer
-    plain = api.chat.completions.create(**{**ask, "max_tokens": 8}, tool_choice="none").choices[0]
+    short = dict(model="default", messages=WEATHER, max_tokens=16, temperature=0)
+    without = api.chat.completions.create(**short).choices[0]
+    plain = api.chat.completions.create(**short, tools=TOOLS, tool_choice="none").choices[0]
     assert isinstance(plain.message.content, str) and not plain.message.tool_calls, plain
+    assert plain.token_ids == without.token_ids, "tool_choice none: the tools reached the prompt"
+    auto = api.chat.completions.create(**short, tools=TOOLS, tool_choice="auto").choices[0]
+    assert auto.token_ids != without.token_ids, "tool_choice auto: the answer is the one without tools"
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_news"}})
     assert e.value.param == "tool_choice", e.value.body
