@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import redirect_stdout
 from io import StringIO
 from pathlib import Path
@@ -60,7 +61,10 @@ def test_bench_serve_long_prompt(talking, tmp_path):
                                                                                 "review-letter-answers", 6)
     r = report["long_prompt_result"]
     assert (r["short_streams"], r["short_tokens"], r["long_tokens"], r["long_stats"]["tokens"]) == (2, 12, 32, 32)
-    assert len(r["short_max_gaps_s"]) == 2 and r["short_max_gap_s"] == max(r["short_max_gaps_s"]) >= 0
+    # each stream's longest wait between two of its chunks: a time, and at least the streams' mean token latency
+    # (the long prompt's prefill came between two chunks of theirs)
+    assert len(r["short_max_gaps_s"]) == 2 and min(r["short_max_gaps_s"]) > 0
+    assert r["short_max_gap_s"] == max(r["short_max_gaps_s"]) >= r["short_itl_mean_s"]
     assert 0 < r["short_itl_mean_s"] and 0 < r["long_stats"]["ttft_s"] <= r["long_ttft_s"]
     assert 0 <= r["short_chunks_during_long_prefill"] <= 12
     table = (out / "serve_bench.md").read_text()
@@ -193,12 +197,14 @@ def test_check_large_tiny_preset(tmp_path, monkeypatch):
 
 
 def test_large_measured_child_peak_and_output():
-    """large.measured: a child's wall time, its own peak resident memory (ru_maxrss: 200 MB it wrote and freed) and
-    its JSON output; a failing child is an error with its stderr."""
+    """large.measured: a child's wall time (it sleeps 0.5 s; rounded to 0.1 s), its own peak resident memory
+    (ru_maxrss: 200 MB it wrote and freed) and its JSON output; a failing child is an error with its stderr."""
     from specrt.measurement import large
-    code = "import json; b = b'x' * (200 << 20); del b; print(json.dumps({'done': 1}))"
+    code = "import json, time; b = b'x' * (200 << 20); del b; time.sleep(0.5); print(json.dumps({'done': 1}))"
+    began = time.perf_counter()
     r = large.measured([sys.executable, "-c", code])
-    assert r["output"] == {"done": 1} and r["wall_s"] >= 0 and r["peak_rss_gb"] >= 0.2
+    assert 0.5 <= r["wall_s"] + 0.05 <= time.perf_counter() - began + 0.05
+    assert r["output"] == {"done": 1} and r["peak_rss_gb"] >= 0.2
     with pytest.raises(RuntimeError, match="failed \\(3\\):\n.*gone"):
         large.measured([sys.executable, "-c", "import sys; sys.stderr.write('gone'); sys.exit(3)"])
 
