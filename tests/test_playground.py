@@ -94,6 +94,14 @@ def shown(output) -> dict:
                            " rounds: o.querySelectorAll('.round').length})")
 
 
+def streamed_rounds(body: str) -> list[dict]:
+    """The rounds (`specrt.rounds`) of a streamed answer's chunks, from its server-sent events as the page got them
+    (the last chunk's `specrt` is the answer's figures, where `rounds` is a count)."""
+    chunks = [json.loads(line[len("data: "):]) for line in body.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return [r for c in chunks if isinstance(c.get("specrt", {}).get("rounds"), list) for r in c["specrt"]["rounds"]]
+
+
 def test_the_page_is_public_and_self_contained(site):
     """GET / needs no key and fetches nothing but the API (no script, style or font from elsewhere); the API still
     refuses a request without the key."""
@@ -106,15 +114,23 @@ def test_the_page_is_public_and_self_contained(site):
 
 def test_streamed_answer_is_the_apis_with_its_accepted_drafts_marked(site, browser):
     """(a) the text shown is the API's answer to the same request, token for token; (b) the spans marked as
-    accepted drafts are as many as the accepted tokens of the stream's final stats; the figures show the method and a bar a draft
+    accepted drafts are each round's accepted drafts in the stream's `specrt.rounds`, token by token, as many as the
+    accepted tokens of the stream's final stats; the figures show the method and a bar a draft
     position; hovering a round that accepted drafts says what it drafted and accepted."""
     page = open_page(browser, site)
     options = page.eval_on_selector_all("#method option", "(os) => os.map((o) => o.value)")
     models = json.loads(get(site + "/v1/models", KEY)[2])["data"][0]["specrt"]
     assert options[0] == "auto" and set(options) == set(models["methods"]) and METHOD in options
-    answer = ask(page, METHOD, MAX_TOKENS)
+    with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as response:
+        answer = ask(page, METHOD, MAX_TOKENS)
     got = shown(answer.query_selector(".output"))
     want = chat(site, METHOD, MAX_TOKENS)
+    # (b) token by token: each round's first `accepted` tokens marked, and no other (the target's own token is not)
+    rounds = streamed_rounds(response.value.text())
+    marks = answer.eval_on_selector_all(".output .round", "(rs) => rs.map((r) => [...r.querySelectorAll('.tok')]"
+                                                          ".map((t) => [Number(t.dataset.id), t.matches('.acc')]))")
+    assert marks == [[[t, i < r["accepted"]] for i, t in enumerate(r["tokens"])] for r in rounds]
+    assert any(0 < r["accepted"] < len(r["tokens"]) for r in rounds)   # rounds with both kinds of token
     assert got["text"] == want["choices"][0]["message"]["content"]
     assert got["ids"] == want["choices"][0]["token_ids"] and len(got["ids"]) == MAX_TOKENS
     stats = got["stats"]
@@ -137,7 +153,8 @@ def test_streamed_answer_is_the_apis_with_its_accepted_drafts_marked(site, brows
 
 def test_side_by_side_outputs_are_identical_at_t0_with_a_speedup(site, browser):
     """(c) autoregressive, then the chosen method: two columns with the same text at T = 0 (the API's), no drafts
-    marked in the autoregressive one, and the speed-up shown once both have ended."""
+    marked in the autoregressive one, and the speed-up shown once both have ended; then at T = 1.5, two samples
+    that differ, said to differ."""
     page = open_page(browser, site)
     answer = ask(page, METHOD, MAX_TOKENS, side_by_side=True)
     plain, chosen = map(shown, answer.query_selector_all(".output"))
@@ -150,6 +167,19 @@ def test_side_by_side_outputs_are_identical_at_t0_with_a_speedup(site, browser):
     assert ratio == pytest.approx(plain["stats"]["itl_mean_s"] / chosen["stats"]["itl_mean_s"])
     assert re.search(rf"{ratio:.2f}× speed-up", box.inner_text()), box.inner_text()
     assert "one after the other so each is timed alone" in page.inner_text("aside")
+    # a pair that differs (two samples at T = 1.5) is not called identical
+    page.fill("#temperature", "1.5")
+    page.fill("#max-tokens", "12")
+    page.fill("#prompt", PROMPT)
+    page.press("#prompt", "Enter")
+    page.wait_for_function("() => document.querySelectorAll('#turns .answer').length === 2 && [...document"
+                           ".querySelectorAll('#turns .answer:last-of-type .output')].every((o) => o.dataset.done)",
+                           timeout=120_000)
+    answer = page.query_selector("#turns .answer:last-of-type")
+    plain, chosen = map(shown, answer.query_selector_all(".output"))
+    assert plain["text"] != chosen["text"], "two samples of 12 tokens at T = 1.5 came out the same"
+    box = answer.query_selector("[data-role=speedup]")
+    assert box.get_attribute("data-identical") == "0" and "The outputs differ" in box.inner_text(), box.inner_text()
     assert not page.errors, page.errors
 
 
