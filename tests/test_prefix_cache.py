@@ -144,15 +144,20 @@ def engines(tmp_path_factory):
 
 
 def conversation(gen, method: str, cache: PrefixCache | None, turns: int = 4, reference=None):
-    """A chat of `turns` turns: each prompt is the last one, its answer and new user text. Later prompts extend
-    the reference's answers (where given), so that both runs see the same prompts. -> [(prompt, answer, stats)]"""
+    """A chat of `turns` turns: the second asks the first prompt again (an answer regenerated: the whole prompt is
+    cached, all of it but its last token is served), each later prompt is the last one, its answer and new user
+    text. Every prompt is a whole number of blocks (24, 24, 40, 56 tokens). Later prompts extend the reference's
+    answers (where given), so that both runs see the same prompts. -> [(prompt, answer, stats, each round's
+    drafts)]"""
     gen.prefix_cache = cache
-    prompt, out = ids_of(21, 0), []
+    prompt, out = ids_of(3 * B, 0), []
     for t in range(turns):
-        got = gen.generate(prompt_ids=prompt, max_new_tokens=10, **options(method))
-        out.append((prompt, got.token_ids[0], got.stats))
+        got = gen.generate(prompt_ids=prompt, max_new_tokens=10, rounds=True, **options(method))
+        out.append((prompt, got.token_ids[0], got.stats, [r.drafted for r in got.rounds[0]]))
+        if t == 0:
+            continue
         answer = reference[t][1] if reference is not None else got.token_ids[0]
-        prompt = prompt + answer + ids_of(5 + 3 * t, 10 + t)
+        prompt = prompt + answer + ids_of(6, 10 + t)
     return out
 
 
@@ -177,18 +182,20 @@ def test_multi_turn_output_is_the_output_without_the_cache(engines, method):
         on = conversation(gen, method, cache, reference=off)
     finally:
         gen.prefix_cache = None
-    for (prompt, ours, stats), (_, ref, ref_stats) in zip(on, off):
+    for (prompt, ours, stats, drafts), (_, ref, ref_stats, ref_drafts) in zip(on, off):
         assert_same_or_tie(ours, ref, prompt, model)
-        if ours == ref:   # the drafters' state after a hit is theirs after a full prefill: the same rounds
+        if ours == ref:   # the drafters' state after a hit is theirs after a full prefill: the same drafts
+            assert drafts == ref_drafts
             assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
-    expected = hit_tokens([(p, a) for p, a, _ in on])
-    assert [s["prefix_cache_tokens"] for _, _, s in on] == expected and all(expected[1:])
-    assert any(e > len(p) // B * B for e, (p, _, _) in zip(expected[1:], on))   # answers' blocks served
-    assert [s["prompt_tokens"] for _, _, s in on] == [len(p) for p, _, _ in on]
-    assert [s["prefix_cache_tokens"] for _, _, s in off] == [0] * 4
+    expected = hit_tokens([(p, a) for p, a, *_ in on])
+    assert [s["prefix_cache_tokens"] for _, _, s, _ in on] == expected and all(expected[1:])
+    assert expected[1] == len(on[1][0]) - B   # the regenerated prompt: its blocks but the one of its last token
+    assert any(e > len(p) for e, (p, *_) in zip(expected[2:], on[1:]))   # answers' blocks served
+    assert [s["prompt_tokens"] for _, _, s, _ in on] == [len(p) for p, *_ in on]
+    assert [s["prefix_cache_tokens"] for _, _, s, _ in off] == [0] * 4
     stats = cache.stats()
     assert (stats["queries"], stats["hits"], stats["hit_tokens"]) == (4, 3, sum(expected))
-    assert stats["query_tokens"] == sum(len(p) for p, _, _ in on)
+    assert stats["query_tokens"] == sum(len(p) for p, *_ in on)
     check_structure(cache)
 
 
@@ -335,11 +342,12 @@ def test_eagle3_restores_from_the_cached_aux_states(tmp_path):
     off = conversation(gen, "eagle", None, turns=3)
     cache = PrefixCache(1 << 20, block=B)
     on = conversation(gen, "eagle", cache, turns=3, reference=off)
-    for (prompt, ours, stats), (_, ref, ref_stats) in zip(on, off):
+    for (prompt, ours, stats, drafts), (_, ref, ref_stats, ref_drafts) in zip(on, off):
         assert_same_or_tie(ours, ref, prompt, model)
-        if ours == ref:
+        if ours == ref:   # its state after a hit is its state after a full prefill: the same drafts
+            assert drafts == ref_drafts
             assert (stats["rounds"], stats["acceptance_rate"]) == (ref_stats["rounds"], ref_stats["acceptance_rate"])
-    assert [s["prefix_cache_tokens"] for _, _, s in on] == hit_tokens([(p, a) for p, a, _ in on])
+    assert [s["prefix_cache_tokens"] for _, _, s, _ in on] == hit_tokens([(p, a) for p, a, *_ in on])
     assert {part for part, _ in cache._entries} == {"target", "aux"}
 
 
