@@ -206,3 +206,62 @@ def test_sampled_under_a_grammar_is_the_masked_target(tiny, method):
     p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
     print(f"{method} under a grammar: chi-square p = {p:.4f}, acceptance {rate:.3f}")
     assert p > P_MIN
+
+
+def verify_passes(gen, monkeypatch, prompt_len: int) -> list:
+    """The target's verify passes from now on, recorded as (ids, positions, mask) (B, S), (B, S), (B, S, S): the
+    engine's own call, watched (prefill passes start before the prompt's last token and are not recorded)."""
+    passes, forward = [], gen.target.forward
+
+    def watched(ids, pos, past_len, mask, *args, **kw):
+        if ids.shape[1] > 1 and int(pos[:, 0].min()) >= prompt_len - 1:
+            passes.append((ids.clone(), pos.clone(), mask.clone()))
+        return forward(ids, pos, past_len, mask, *args, **kw)
+    monkeypatch.setattr(gen.target, "forward", watched)
+    return passes
+
+
+def nodes_outside(g, passes, sequences: list[list[int]], prompt_len: int) -> tuple[int, int]:
+    """(nodes verified outside the grammar, nodes verified) over recorded verify passes of one batch whose rows
+    never finish apart (they keep their places): each row's committed output before the pass is its sequence up to
+    the pass's first position, each node's path is read from the mask (its ancestors), and a matcher of the grammar
+    walks it from there."""
+    outside = total = 0
+    for ids, pos, mask in passes:
+        for b, sequence in enumerate(sequences):
+            committed = sequence[prompt_len:int(pos[b, 0]) + 1]
+            for i in range(1, ids.shape[1]):
+                path = [int(ids[b, j]) for j in torch.nonzero(mask[b, i])[:, 0].tolist() if j > 0]
+                m = Matcher(g, TINY_V)
+                assert m.advance(committed) == len(committed)
+                outside, total = outside + (m.advance(path) != len(path)), total + 1
+    return outside, total
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_trees_verify_no_node_outside_the_grammar(tiny, monkeypatch, temperature):
+    """The draft model's trees (top-k along its chain) under TINY_REGEX: the grammar prunes the nodes it refuses
+    before the pass (counted in the stats) and the forced `=` replaces what was drafted there, so no node outside the
+    grammar reaches the target; greedy, the output is constrained autoregressive decoding's."""
+    gen, _, tok, g = tiny
+    prompt = tok("ab=cdxab=cxab=ddy")["input_ids"]
+    kw = dict(max_new_tokens=10, temperature=temperature, seed=5, grammar=g)
+    passes = verify_passes(gen, monkeypatch, len(prompt))
+    out = gen.generate(prompt_ids=prompt, method="draft", tree=True, adaptive=False, **kw)
+    outside, total = nodes_outside(g, passes, [prompt + out.token_ids[0]], len(prompt))
+    assert outside == 0 and total > 0 and out.stats["grammar_refused_nodes"] > 0, (outside, total, out.stats)
+    if temperature == 0:
+        assert out.token_ids == gen.generate(prompt_ids=prompt, method="autoregressive", **kw).token_ids
+
+
+def test_sampled_trees_under_a_grammar_are_the_masked_target(tiny):
+    """The chi-square test of test_sampled_under_a_grammar_is_the_masked_target for the draft model's trees,
+    steered and pruned by the grammar."""
+    gen, model, tok, g = tiny
+    prompt = tok("ab=cdxba=dcy")["input_ids"]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="draft", tree=True,
+                       seed=17, adaptive=False, temperature=1.0, grammar=g)
+    assert out.stats["grammar_refused_nodes"] > 0 and 0 < out.stats["acceptance_rate"] < 1, out.stats
+    p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
+    print(f"draft trees under a grammar: chi-square p = {p:.4f}, acceptance {out.stats['acceptance_rate']:.3f}")
+    assert p > P_MIN

@@ -14,7 +14,7 @@ from specrt.engines.base import StepOutput
 from specrt.decoding.drafters import Proposal, _arange, chain_mask
 from specrt.decoding.eagle import Figures
 from specrt.errors import InputError
-from specrt.decoding import processors
+from specrt.decoding import processors, steering
 from specrt.decoding.grammar import Grammar, Matcher
 from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, argmax, check_logprobs, probs, sample, token_logprobs
@@ -349,8 +349,13 @@ class Batch:
             g = gen._fit_gamma(run, g) if g else 0
         proposal = self._propose(g) if drafter and g else None
         constrained = any(row.matcher is not None for row in run.rows)
+        kept = None   # a tree the grammars pruned: its nodes' ids in the drafter's tree
         if constrained and proposal is not None and proposal.tree is None:
             proposal = self._steer(proposal, g)
+        elif constrained and proposal is not None:
+            proposal, kept, refused = steering.steer_tree(proposal, run.rows, active)
+            run.refused += refused
+            g = g if proposal is not None else 0
         forced = None
         if proposal is None and constrained and getattr(drafter, "name", None) in (None, "ngram"):
             forced = self._forced()   # a plain round takes what the grammars force in its one pass
@@ -361,6 +366,8 @@ class Batch:
         drafts = self._drafted(proposal, host) if g and any(row.round_log is not None for row in run.rows) else None
         accepted, proposed = gen._account(run, host, drafted=forced is None, drafts=drafts)
         if drafter is not None:
+            if kept is not None and run.host_pass is not None:   # the drafter's own node ids
+                run.host_pass = steering.original_ids(run.host_pass, kept)
             drafter.observe(run)
         run.rounds += 1
         for row in taking_part:
@@ -508,6 +515,7 @@ class Batch:
             "batch_rounds": self.batch_rounds(),
             "draft_failures": self.draft_failures,   # rounds a failed drafting made plain steps (logged)
             "forced_tokens": run.forced,             # taken as the grammars forced them, not as drafts
+            "grammar_refused_nodes": run.refused,    # tree nodes the grammars refused: dropped before the pass
             "prompt_tokens": self.prompt_tokens,     # the prompts prefilled, and their positions that came from
             "prefix_cache_tokens": self.cached_tokens,   # the prefix cache (copied, not computed)
         }
