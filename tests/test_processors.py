@@ -116,7 +116,8 @@ def exact_processed_joint(model, prompt: list[int], params: SamplingParams, kw: 
     return (p1[:, None, None] * p2[:, :, None] * p3).double().numpy()
 
 
-SAMPLED = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={3: 1.0})
+# the first token's distribution is processed too (the repetition penalty over the prompt, the bias), and differs
+SAMPLED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=2.0, logit_bias={3: 4.0})
 
 
 @pytest.mark.parametrize("method, temperature", [("draft", 1.0), ("draft", 0.7), ("medusa", 1.0), ("medusa", 0.7)])
@@ -128,7 +129,10 @@ def test_sampled_with_penalties_is_the_processed_target(tiny, method, temperatur
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=11,
                        adaptive=False, temperature=temperature, min_p=0.02, **SAMPLED)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted, and rejections (the residual) too
-    p = chi_square_p(out.token_ids, exact_processed_joint(model, prompt, params, SAMPLED))
+    joint = exact_processed_joint(model, prompt, params, SAMPLED)
+    raw = exact_processed_joint(model, prompt, params, {}).sum((1, 2))
+    assert abs(joint.sum((1, 2)) - raw).sum() / 2 > 0.2   # the first token's processing moves its distribution
+    p = chi_square_p(out.token_ids, joint)
     print(f"{method} at T = {temperature} with penalties: chi-square p = {p:.4f}")
     assert p > P_MIN
 
