@@ -23,9 +23,10 @@ from specrt.decoding.sampling import SamplingParams
 from specrt.errors import InputError
 from specrt.serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from specrt.serving.metrics import Metrics
-from specrt.serving.protocol import (APIError, BaseRequest, ChatRequest, Function, Message, NamedToolChoice,
+from specrt.serving.protocol import (APIError, BaseRequest, ChatRequest, Message, NamedToolChoice,
                                      api_error, error_body)
 from specrt.serving.scheduler import Job, Scheduler
+from specrt.serving.tool_parsers import AUTO as AUTO_FORMAT, FORMATS, CallReader, ToolFormat, detect
 
 # ---- text with stop strings ----------------------------------------------------------------------------------------
 
@@ -104,32 +105,32 @@ class Piece:
 
 
 # ---- tool calls ----------------------------------------------------------------------------------------------------
-# A call is the reply `{"name": <a tool's name>, "arguments": {...}}` and nothing else. A model whose chat template
-# takes `tools` sees them there; any other sees them in a system message (TOOLS_PROMPT), its earlier calls as such
-# objects in its own turns.
+# A call is written in the chat template's format (tool_parsers.FORMATS). A template that takes `tools` sees them
+# there; any other sees them in a system message (TOOLS_PROMPT), its earlier calls written in the format in its turns.
 
-TOOLS_PROMPT = ("You can call these functions:\n{tools}\nTo call one, answer with only a JSON object "
-                "{{\"name\": <the function's name>, \"arguments\": <its arguments as an object>}}.")
+TOOLS_PROMPT = "You can call these functions:\n{tools}\nTo call one, answer with only {call}."
 
 
 @dataclass(frozen=True)
 class Tools:
     """A chat request's tools as its answer uses them: OpenAI's tool objects for the prompt, the names a reply may
-    call, and the JSON schema a forced call follows (None: `auto`, the reply may be text)."""
+    call, the format its calls are written in, whether it may make several (parallel_tool_calls), whether it must
+    make one (`forced`: required or a named function), and the grammar its reply follows (Lark: ToolFormat.grammar)."""
     shown: list[dict]
     names: frozenset[str]
-    forced: dict | None
+    format: ToolFormat
+    parallel: bool
+    forced: bool
+    grammar: str
+
+    def reader(self) -> CallReader:
+        return CallReader(self.format, self.names, self.parallel)
 
 
-def call_schema(function: Function) -> dict:
-    """The JSON schema of a call of `function`: its name and its parameters' schema as the arguments."""
-    return {"type": "object", "properties": {"name": {"const": function.name},
-                                             "arguments": function.parameters or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def tool_use(req: ChatRequest) -> Tools | None:
-    """The request's tools (None: no tools, or tool_choice none: a text answer, the tools not shown)."""
+def tool_use(req: ChatRequest, fmt: ToolFormat = FORMATS["json"], specials: frozenset[str] = frozenset()) \
+        -> Tools | None:
+    """The request's tools (None: no tools, or tool_choice none: a text answer, the tools not shown), their calls
+    written in `fmt`; `specials`: the format's markers that are tokens of the tokenizer (ToolFormat.grammar)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -147,29 +148,25 @@ def tool_use(req: ChatRequest) -> Tools | None:
                                 f"({', '.join(functions)})", "tool_choice")
         called = [functions[choice.function.name]]
     else:
-        called = list(functions.values()) if choice == "required" else []
-    forced = None
-    if called:
-        forced = call_schema(called[0]) if len(called) == 1 else {"anyOf": [call_schema(f) for f in called]}
-    return Tools([tool.model_dump(exclude_none=True) for tool in req.tools], frozenset(functions), forced)
+        called = list(functions.values())
+    forced = choice is not None and choice != "auto"
+    parallel = req.parallel_tool_calls is not False
+    return Tools([tool.model_dump(exclude_none=True) for tool in req.tools], frozenset(functions), fmt, parallel,
+                 forced, fmt.grammar(called, forced, parallel, specials))
 
 
-def parse_calls(text: str, names: frozenset[str]) -> list[dict] | None:
-    """The reply as OpenAI's tool_calls if it is one call of a listed tool, else None."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
-            and isinstance(call["arguments"], dict)):
-        return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+def tool_answer(tools: Tools, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+    """A whole reply as OpenAI answers it with tools: its content (None: calls alone), its calls (None: none) and
+    finish reason ("tool_calls" where it made calls and ended by itself)."""
+    reader = tools.reader()
+    content = reader.feed(text)[0] + reader.end()
+    calls = reader.calls or None
+    return (content or None) if calls else content, calls, "tool_calls" if calls and reason == "stop" else reason
 
 
-def _turn(message: Message, native: bool) -> dict:
+def _turn(message: Message, native: bool, fmt: ToolFormat) -> dict:
     """A message as the chat template takes it; without a template that knows tools, earlier calls are written as
-    the reply that made them."""
+    the reply that made them (in `fmt`)."""
     content = message.content if not isinstance(message.content, list) else "".join(p.text for p in message.content)
     turn = {"role": message.role, "content": content} | ({"name": message.name} if message.name is not None else {})
     calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
@@ -181,7 +178,8 @@ def _turn(message: Message, native: bool) -> dict:
         if message.tool_call_id is not None:
             turn["tool_call_id"] = message.tool_call_id
     elif calls or content is None:
-        turn["content"] = "\n".join([*([content] if content else []), *map(json.dumps, calls)])
+        written = fmt.separator.join(fmt.write(c["name"], c["arguments"]) for c in calls)
+        turn["content"] = "\n".join([*([content] if content else []), *([written] if written else [])])
     return turn
 
 
@@ -207,27 +205,30 @@ def _joined(lists) -> list | None:
     return None if all(x is None for x in lists) else [item for x in lists for item in x or []]
 
 
-async def _held(first: Piece, pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
-    """A stream's pieces with tool calls: a reply that may be a call (a forced one, or one that begins with "{") is
-    held to its end and comes as one piece, with its calls if it is one; any other streams as it comes."""
-    held, piece = [], first
+async def _with_calls(pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
+    """A stream's pieces with tool calls: each piece's text read for calls (CallReader), its content and its calls'
+    deltas as they come; the last piece's finish reason "tool_calls" where the reply made calls and ended by
+    itself."""
+    reader = tools.reader()
     try:
-        while True:
-            held.append(piece)
-            text = "".join(p.text or "" for p in held)
-            if tools.forced is None and text.strip() and not text.lstrip().startswith("{"):
-                break
-            if piece.reason is not None:
-                calls = parse_calls(text, tools.names) if piece.reason == "stop" else None
-                yield Piece(None if calls else text, [t for p in held for t in p.ids],
-                            _joined(p.logprobs for p in held), "tool_calls" if calls else piece.reason, piece.stats,
-                            calls, _joined(p.rounds for p in held))
-                return
-            piece = await anext(pieces)
-        for piece in held:
-            yield piece
         async for piece in pieces:
-            yield piece
+            content, deltas = reader.feed(piece.text or "")
+            reason = piece.reason
+            if reason is not None:
+                content += reader.end()
+                reason = "tool_calls" if reader.calls and reason == "stop" else reason
+            yield Piece(content, piece.ids, piece.logprobs, reason, piece.stats, deltas or None, piece.rounds)
+    finally:
+        await pieces.aclose()
+
+
+async def _chained(first: Piece, pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """`first`, then the rest of `pieces`."""
+    try:
+        yield first
+        if first.reason is None:
+            async for piece in pieces:
+                yield piece
     finally:
         await pieces.aclose()
 
@@ -239,8 +240,16 @@ class Server:
     """One generator, its scheduler, the answers."""
 
     def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
-                 max_waiting: int | None = None, request_timeout: float | None = None):
+                 max_waiting: int | None = None, request_timeout: float | None = None, tool_parser: str = AUTO_FORMAT):
         self.gen, self.model_name = gen, model_name
+        if tool_parser != AUTO_FORMAT and tool_parser not in FORMATS:
+            raise InputError(f"tool parser {tool_parser!r}: expected {AUTO_FORMAT} or one of {', '.join(FORMATS)}")
+        tok = gen.tokenizer
+        # the format of tool calls (from the chat template unless asked) and which of its markers are tokens
+        self.tool_format = detect(tok.chat_template if tok is not None else None, tool_parser)
+        added = tok.get_added_vocab() if tok is not None else {}
+        self.tool_specials = frozenset(m for m in (self.tool_format.open_marker, self.tool_format.close_marker,
+                                                   self.tool_format.prefix) if m and m in added)
         self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
@@ -306,9 +315,10 @@ class Server:
             raise APIError(400, f"messages: {self.model_name} has no chat template: use /v1/completions with the "
                                 "prompt as text or token ids", "messages")
         native = "tools" in tok.chat_template
-        turns = [_turn(m, native) for m in messages]
+        turns = [_turn(m, native, self.tool_format) for m in messages]
         if tools and not native:
-            prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+            prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools),
+                                         call=self.tool_format.instruction())
             if turns[0]["role"] == "system":
                 turns[0]["content"] = f"{turns[0]['content'] or ''}\n\n{prompt}"
             else:
@@ -320,9 +330,15 @@ class Server:
             raise APIError(400, f"messages: the model's chat template refused them: {e}", "messages") from e
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
+    def tools(self, req: ChatRequest) -> Tools | None:
+        """The request's tools (tool_use), their calls in this server's format."""
+        return tool_use(req, self.tool_format, self.tool_specials)
+
     def asked_grammar(self, req: BaseRequest, tools: Tools | None = None) -> tuple[str, str, object] | None:
         """The grammar the request's output follows, as (its field, kind, spec), None for free text: its
-        response_format, guided_regex, guided_grammar or forced tool call, one at most."""
+        response_format, guided_regex, guided_grammar or forced tool call, one at most. With tools and
+        tool_choice auto, the tools' grammar (free text, or calls once the model opens one) where no other is
+        asked for; with another, the calls are read from the reply as it comes, unconstrained."""
         fmt, asked = req.response_format, []
         if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
             raise APIError(400, f"response_format: type {fmt.type!r} " + ("needs json_schema" if fmt.json_schema
@@ -333,8 +349,8 @@ class Server:
             asked.append(("guided_regex", "regex", req.guided_regex))
         if req.guided_grammar is not None:
             asked.append(("guided_grammar", "grammar", req.guided_grammar))
-        if tools is not None and tools.forced is not None:
-            asked.append(("tools", "json_schema", tools.forced))
+        if tools is not None and (tools.forced or not asked):
+            asked.append(("tools", "grammar", tools.grammar))
         if len(asked) > 1:
             names = [name if name != "tools" else "tool_choice" for name, *_ in asked]
             raise APIError(400, f"{names[1]}: the output follows one of {' and '.join(names)}, not both", names[1])
@@ -519,10 +535,10 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 self.metrics.finish(ends[i][1]["method"], reason)
                 logprobs = self.logprobs_format(chat)(lps[i]) if want else None
-                cut = cut if stopped else cut + text.flush()
-                calls = parse_calls(cut, tools.names) if tools is not None and reason == "stop" else None
-                choices.append(_choice(chat, i, cut, tokens[i], "tool_calls" if calls else reason, logprobs,
-                                       calls=calls))
+                cut, calls = cut if stopped else cut + text.flush(), None
+                if tools is not None:
+                    cut, calls, reason = tool_answer(tools, cut, reason)
+                choices.append(_choice(chat, i, cut, tokens[i], reason, logprobs, calls=calls))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens)), ends[0][1]),
                     "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
@@ -532,7 +548,7 @@ class Server:
         fmt = self.logprobs_format(chat) if want else None
         if req.stream:
             if tools is not None:
-                pieces = _held(first, pieces, tools)
+                pieces = _with_calls(_chained(first, pieces), tools)
                 first = await anext(pieces)
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(_events(first, pieces, head, chat, ids, usage, fmt),
@@ -544,9 +560,10 @@ class Server:
         logprobs = None
         if fmt is not None:
             logprobs = fmt([lp for piece in got for lp in piece.logprobs or []])
-        text, reason = "".join(piece.text or "" for piece in got), got[-1].reason
-        calls = parse_calls(text, tools.names) if tools is not None and reason == "stop" else None
-        choice = _choice(chat, 0, text, tokens, "tool_calls" if calls else reason, logprobs, calls=calls)
+        text, reason, calls = "".join(piece.text or "" for piece in got), got[-1].reason, None
+        if tools is not None:
+            text, calls, reason = tool_answer(tools, text, reason)
+        choice = _choice(chat, 0, text, tokens, reason, logprobs, calls=calls)
         stats = got[-1].stats
         if options["rounds"]:
             stats = {**(stats or {}), "round_log": _joined(piece.rounds for piece in got)}
@@ -558,12 +575,12 @@ def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reas
             logprobs: dict | None = None, delta: bool = False, calls: list[dict] | None = None) -> dict:
     if not chat:
         body = {"text": text or ""}
-    elif delta and calls:
-        body = {"delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}}
+    elif delta and calls:   # tool_calls deltas (each with its index: CallReader)
+        body = {"delta": {"tool_calls": calls}}
     elif delta:
         body = {"delta": {"content": text} if text is not None else {}}
     elif calls:
-        body = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}
+        body = {"message": {"role": "assistant", "content": text, "tool_calls": calls}}
     else:
         body = {"message": {"role": "assistant", "content": text or ""}}
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
@@ -595,10 +612,15 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
         piece = first
         while True:
             count += len(piece.ids)
-            if piece.text or piece.ids:
-                lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
-                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True, calls=piece.calls)],
-                            specrt={"rounds": piece.rounds} if piece.rounds is not None else None)
+            lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
+            rounds = {"rounds": piece.rounds} if piece.rounds is not None else None
+            if piece.text or piece.ids and not piece.calls:   # its content (the piece's tokens come with it)
+                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True)], specrt=rounds)
+                lps = rounds = None
+            for k, call in enumerate(piece.calls or []):   # each call delta a chunk, as OpenAI sends them
+                ids = piece.ids if k == 0 and not piece.text else []
+                yield event([_choice(chat, 0, None, ids, None, lps, delta=True, calls=[call])], specrt=rounds)
+                lps = rounds = None
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
                 stats = piece.stats
                 yield event([_choice(chat, 0, None if chat else "", [], piece.reason, delta=True)], specrt=stats)

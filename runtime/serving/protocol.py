@@ -210,13 +210,14 @@ class ChatRequest(BaseRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description="none: "
         "a text answer (the tools are not shown to the model); auto (the default with tools): the model answers "
-        "freely and a reply that is one JSON object {\"name\": a listed tool, \"arguments\": {...}} is a tool "
-        "call; required, or a named function: the reply is constrained to such a call.")
+        "freely until it opens a call in its chat template's format, which then follows the tools' schemas; "
+        "required, or a named function: the reply is calls (of that function), nothing else.")
     modalities: list[Literal["text"]] | None = Field(None, description="Only [\"text\"].")
     metadata: dict[str, str] | None = Field(None, description=NO_EFFECT)
     store: bool | None = Field(None, description=NO_EFFECT)
     service_tier: str | None = Field(None, description=NO_EFFECT)
-    parallel_tool_calls: bool | None = Field(None, description=NO_EFFECT + " (An answer makes one call at most.)")
+    parallel_tool_calls: bool | None = Field(None, description="With tools: several calls in one answer (the "
+                                             "default); false: one at most. Without tools, no effect.")
     safety_identifier: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_key: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_retention: str | None = Field(None, description=NO_EFFECT)

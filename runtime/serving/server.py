@@ -37,10 +37,11 @@ from specrt.errors import InputError, SpecrtError
 from specrt.decoding.datastore import SuffixCache
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK, Generator
 from specrt.decoding.prefix_cache import PrefixCache
-from specrt.serving.completions import Server, message_chars, tool_use
+from specrt.serving.completions import Server, message_chars
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
                                      invalid)
+from specrt.serving.tool_parsers import AUTO as TOOL_PARSER
 from specrt.serving.scheduler import Job, Scheduler  # noqa: F401 -- re-exported: the scheduler's users import it here
 
 SHUTDOWN_GRACE_S = 5.0   # after SIGTERM or Ctrl-C, how long the running requests may still take
@@ -159,8 +160,8 @@ class Limits:
 
 
 def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
-               limits: Limits = Limits()) -> FastAPI:
-    server = Server(gen, model_name, method, max_batch, limits.max_waiting, limits.request_timeout)
+               limits: Limits = Limits(), tool_parser: str = TOOL_PARSER) -> FastAPI:
+    server = Server(gen, model_name, method, max_batch, limits.max_waiting, limits.request_timeout, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,7 +227,7 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
     async def chat_completions(req: ChatRequest, request: Request):
         server.check_model(req.model)
         server.check_chars(sum(map(message_chars, req.messages)), "messages")
-        tools = tool_use(req)
+        tools = server.tools(req)
         if tools is not None:
             server.check_chars(len(json.dumps(tools.shown)), "tools")
         ids = await server.call(server.chat_ids, req.messages, tools and tools.shown)
@@ -291,12 +292,13 @@ def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_
           method: str = AUTO, device: str = "auto", threads: int | None = None,
           max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
           datastore: str | Path | None = None, suffix_cache_mb: float | None = None,
-          prefix_cache_mb: float | None = None) -> None:
+          prefix_cache_mb: float | None = None, tool_parser: str = TOOL_PARSER) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
     `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
-    outputs (see SuffixCache); `prefix_cache_mb`: the prefix cache's bound (see load)."""
+    outputs (see SuffixCache); `prefix_cache_mb`: the prefix cache's bound (see load); `tool_parser`: the format of
+    tool calls (serving.tool_parsers.FORMATS; auto: from the chat template)."""
     gen = load(engines, device, threads, prefill_chunk, datastore, suffix_cache_mb, prefix_cache_mb)
-    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits)
+    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits, tool_parser)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
     # uvicorn's own limit, should a request not end when the scheduler ends it
