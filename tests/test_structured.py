@@ -143,7 +143,8 @@ N = 20000
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama target over TINY_V tokens, its draft model the target a little disturbed (drafts accepted and
-    refused), a byte-level BPE tokenizer of TINY_TOKENS and TINY_REGEX compiled for it. -> (gen, model, tok, g)"""
+    refused), five random Medusa heads, a byte-level BPE tokenizer of TINY_TOKENS and TINY_REGEX compiled for it.
+    -> (gen, model, tok, g)"""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     merges = [("a", "b"), ("b", "a"), ("a", "a"), ("b", "b"), ("c", "d"), ("d", "c"), ("c", "c"), ("d", "d")]
@@ -151,12 +152,16 @@ def tiny(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     bpe.decoder = decoders.ByteLevel()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    from specrt.export.medusa import MedusaHeads, save_heads
     draft = tiny_model("llama", seed=1, vocab=TINY_V, init=0.3)
-    with torch.no_grad():
+    torch.manual_seed(5)
+    tmp = tmp_path_factory.mktemp("grammar")
+    save_heads(MedusaHeads(5, draft.config.hidden_size, draft.lm_head.weight), tmp / "heads")   # random: a tree
+    with torch.no_grad():                                                                      # drafter blind to it
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    directory, model = export_tiny(tmp_path_factory.mktemp("grammar"), "llama", seed=1, draft=draft, vocab=TINY_V,
-                                   init=0.3, max_seq_len=48)
+    directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=TINY_V, init=0.3, max_seq_len=48,
+                                   medusa=tmp / "heads")
     return Generator.from_engines(directory), model, tok, compile_grammar(tok, "regex", TINY_REGEX)
 
 
@@ -238,30 +243,32 @@ def nodes_outside(g, passes, sequences: list[list[int]], prompt_len: int) -> tup
     return outside, total
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_trees_verify_no_node_outside_the_grammar(tiny, monkeypatch, temperature):
-    """The draft model's trees (top-k along its chain) under TINY_REGEX: the grammar prunes the nodes it refuses
-    before the pass (counted in the stats) and the forced `=` replaces what was drafted there, so no node outside the
-    grammar reaches the target; greedy, the output is constrained autoregressive decoding's."""
+@pytest.mark.parametrize("method, temperature", [("draft", 0.0), ("medusa", 0.0), ("medusa", 1.0)])
+def test_trees_verify_no_node_outside_the_grammar(tiny, monkeypatch, method, temperature):
+    """Trees under TINY_REGEX: the draft model's (top-k along its chain) drafts inside the grammar; random Medusa
+    heads draft blind, and the grammar prunes the nodes it refuses before the pass (counted in the stats) and puts
+    the forced `=` where it was drafted, so no node outside the grammar reaches the target; greedy, the output is
+    constrained autoregressive decoding's."""
     gen, _, tok, g = tiny
     prompt = tok("ab=cdxab=cxab=ddy")["input_ids"]
     kw = dict(max_new_tokens=10, temperature=temperature, seed=5, grammar=g)
     passes = verify_passes(gen, monkeypatch, len(prompt))
-    out = gen.generate(prompt_ids=prompt, method="draft", tree=True, adaptive=False, **kw)
+    out = gen.generate(prompt_ids=prompt, method=method, tree=True, adaptive=False, **kw)
     outside, total = nodes_outside(g, passes, [prompt + out.token_ids[0]], len(prompt))
-    assert outside == 0 and total > 0 and out.stats["grammar_refused_nodes"] > 0, (outside, total, out.stats)
+    assert outside == 0 and total > 0, (outside, total, out.stats)
+    assert (out.stats["grammar_refused_nodes"] > 0) == (method == "medusa"), out.stats
     if temperature == 0:
         assert out.token_ids == gen.generate(prompt_ids=prompt, method="autoregressive", **kw).token_ids
 
 
 def test_sampled_trees_under_a_grammar_are_the_masked_target(tiny):
-    """The chi-square test of test_sampled_under_a_grammar_is_the_masked_target for the draft model's trees,
-    steered and pruned by the grammar."""
+    """The chi-square test of test_sampled_under_a_grammar_is_the_masked_target for Medusa's trees, steered and
+    pruned by the grammar."""
     gen, model, tok, g = tiny
     prompt = tok("ab=cdxba=dcy")["input_ids"]
-    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="draft", tree=True,
-                       seed=17, adaptive=False, temperature=1.0, grammar=g)
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa", seed=17,
+                       adaptive=False, temperature=1.0, grammar=g)
     assert out.stats["grammar_refused_nodes"] > 0 and 0 < out.stats["acceptance_rate"] < 1, out.stats
     p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
-    print(f"draft trees under a grammar: chi-square p = {p:.4f}, acceptance {out.stats['acceptance_rate']:.3f}")
+    print(f"Medusa trees under a grammar: chi-square p = {p:.4f}, acceptance {out.stats['acceptance_rate']:.3f}")
     assert p > P_MIN

@@ -76,6 +76,48 @@ class PassInputs:
             self.device.copy_(self.host_tensor, non_blocking=True)
 
 
+class DraftMasks:
+    """A chain drafter's logits masked by the live constrained rows' grammars as it drafts (steering.py says why):
+    `apply(b, logits)` before a step's choice, `advance(b, token)` after it, `close()` puts every matcher back where
+    it was (the committed tokens). A row whose draft leaves its grammar (its top-k past the allowed tokens, in a
+    tree, never moves it) is masked no further."""
+
+    def __init__(self, run):
+        self.matchers = {b: row.matcher for b, row in enumerate(run.rows) if row.matcher is not None and run.active[b]}
+        self.taken = dict.fromkeys(self.matchers, 0)   # tokens each matcher has consumed since
+        self.live = set(self.matchers)                 # the rows still masked
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def apply(self, b: int, logits):
+        """Row b's logits (V,) (numpy or torch) with what its grammar refuses at -inf: a copy (the row's own where
+        it has no grammar). Where the drafter gives every allowed token -inf (ids outside its kept vocabulary), the
+        allowed tokens get 0: it then drafts among them uniformly."""
+        if b not in self.live:
+            return logits
+        allowed = self.matchers[b].allowed()
+        if isinstance(logits, torch.Tensor):
+            refused = ~torch.from_numpy(allowed).to(logits.device)
+            masked = logits.masked_fill(refused, float("-inf"))
+            return masked if torch.isfinite(masked).any() else torch.zeros_like(logits).masked_fill(refused,
+                                                                                                  float("-inf"))
+        masked = np.where(allowed, logits, -np.inf).astype(logits.dtype)
+        return masked if np.isfinite(masked).any() else np.where(allowed, 0.0, -np.inf).astype(logits.dtype)
+
+    def advance(self, b: int, token: int) -> None:
+        if b in self.live:
+            if self.matchers[b].advance([int(token)]) == 1:
+                self.taken[b] += 1
+            else:
+                self.live.discard(b)
+
+    def close(self) -> None:
+        for b, m in self.matchers.items():
+            m.rollback(self.taken[b])
+        self.matchers, self.live = {}, set()
+
+
 class RowlessDrafter:
     """A drafter that keeps nothing per row: a prompt, a row's copies or a row moved in the batch need no work, and
     (unless it overrides `observe`) neither does a round's outcome."""
@@ -181,23 +223,31 @@ class DraftModelDrafter:
         pos = feed.clamp(max=smax - 1)
         mask = chain_mask(B, w, dev)
         tokens, qs, tops = [], [], []
-        for i in range(gamma):
-            out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
-            self.cache.write(out.new_kv)
-            self.cache.past_len += ids.shape[1]
-            logits = out.logits[:, -1]                                                  # (B, V)
-            if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
-                tops.append(top_k_ids(logits, self.tree.max_rank))
-                tok = tops[-1][:, 0]
-            elif run.params.greedy:
-                tok = argmax(logits)
-            else:
-                q = probs(logits, run.params)
-                tok = sample(q, run.generator)
-                qs.append(q)
-            tokens.append(tok)
-            ids, pos = tok[:, None], (pos[:, -1:] + 1).clamp(max=smax - 1)
-            mask = chain_mask(B, 1, dev)
+        grammars = DraftMasks(run)   # constrained rows draft inside their grammars
+        try:
+            for i in range(gamma):
+                out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
+                self.cache.write(out.new_kv)
+                self.cache.past_len += ids.shape[1]
+                logits = out.logits[:, -1]                                              # (B, V)
+                if grammars:
+                    logits = torch.stack([grammars.apply(b, logits[b]) for b in range(B)])
+                if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
+                    tops.append(top_k_ids(logits, self.tree.max_rank))
+                    tok = tops[-1][:, 0]
+                elif run.params.greedy:
+                    tok = argmax(logits)
+                else:
+                    q = probs(logits, run.params)
+                    tok = sample(q, run.generator)
+                    qs.append(q)
+                tokens.append(tok)
+                for b, t in enumerate(tok.tolist() if grammars else ()):
+                    grammars.advance(b, t)
+                ids, pos = tok[:, None], (pos[:, -1:] + 1).clamp(max=smax - 1)
+                mask = chain_mask(B, 1, dev)
+        finally:
+            grammars.close()
         if self.tree is not None:
             nodes = self.tree.node_tokens(torch.stack(tops, 1))                        # (B, N)
             return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), self.tree)
@@ -225,19 +275,25 @@ class DraftModelDrafter:
             inputs.host[1, b] = [min(past[b] + j, top) for j in range(w)]
         cache.truncate(past)
         drafts = np.zeros((B, gamma), np.int64)
-        for i in range(gamma):
-            out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, 1)
-            cache.write(out.host_kv(), past)
-            past = [p + inputs.host.shape[2] for p in past]
-            cache.truncate(past)
-            inputs, logits = self._inputs(B, 1), out.host_logits()
-            for b, p in enumerate(past):
-                if params.greedy:
-                    drafts[b, i] = logits[b, -1].argmax()
-                else:
-                    q[b, i] = softmax_host(logits[b, -1], params.temperature)
-                    drafts[b, i] = draw_host(q[b, i], u[b][i])
-                inputs.host[0, b, 0], inputs.host[1, b, 0] = drafts[b, i], min(p, top)
+        grammars = DraftMasks(run)   # constrained rows draft inside their grammars
+        try:
+            for i in range(gamma):
+                out = self.timer(self.engine, cache, inputs.ids, inputs.positions, inputs.chain_mask, 1)
+                cache.write(out.host_kv(), past)
+                past = [p + inputs.host.shape[2] for p in past]
+                cache.truncate(past)
+                inputs, logits = self._inputs(B, 1), out.host_logits()
+                for b, p in enumerate(past):
+                    row = grammars.apply(b, logits[b, -1]) if grammars else logits[b, -1]
+                    if params.greedy:
+                        drafts[b, i] = row.argmax()
+                    else:
+                        q[b, i] = softmax_host(row, params.temperature)
+                        drafts[b, i] = draw_host(q[b, i], u[b][i])
+                    grammars.advance(b, drafts[b, i])
+                    inputs.host[0, b, 0], inputs.host[1, b, 0] = drafts[b, i], min(p, top)
+        finally:
+            grammars.close()
         if (B, gamma) not in self.valid:
             self.valid[(B, gamma)] = torch.ones(B, gamma, dtype=torch.bool, device="cpu")
         return Proposal(torch.from_numpy(drafts), None if params.greedy else torch.from_numpy(q),
