@@ -76,8 +76,8 @@ class ToolFormat:
             return " ".join(part for part in (json.dumps(before) if before else "", mark(m),
                                               json.dumps(after) if after else "") if part)
 
-        schema = {"anyOf": [call_schema(f, self.arguments) for f in functions]} if len(functions) > 1 else \
-            call_schema(functions[0], self.arguments)
+        schema = call_schema(functions[0], self.arguments) if len(functions) == 1 else \
+            {"anyOf": [call_schema(f, self.arguments) for f in functions], "x-guidance": JSON_LAYOUT}
         lines = ["%llguidance {}", f"body: %json {json.dumps(schema)}"]
         close = text(self.close)
         lines.append(f"call: {text(self.open)} body {close}".replace("  ", " "))
