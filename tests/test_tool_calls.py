@@ -205,3 +205,46 @@ def test_two_calls_in_one_answer(served):
     assert (content, reason, len(calls)) == (None, "tool_calls", 2), (content, calls)
     check_calls(calls)
     assert len({c["id"] for c in calls}) == 2
+
+
+READS = {   # format: (reply, its content, its calls as (name, arguments))
+    "hermes": ('Sure.<tool_call>\n{"name": "get_time", "arguments": {"offset": -3}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}\n</tool_call>', "Sure.",
+               [("get_time", '{"offset": -3}'), ("get_weather", '{"city": "Lima", "unit": "celsius"}')]),
+    "llama3_json": ('{"name": "get_time", "parameters": {"offset": 2}}; {"name": "get_time", "parameters": '
+                    '{"offset": 14}}', None, [("get_time", '{"offset": 2}'), ("get_time", '{"offset": 14}')]),
+    "json": ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "fahrenheit"}}, {"arguments": '
+             '{"offset": 0}, "name": "get_time"}]', None,
+             [("get_weather", '{"city": "Paris", "unit": "fahrenheit"}'), ("get_time", '{"offset": 0}')]),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(READS))
+def test_the_reader_gives_the_same_calls_however_the_text_comes(fmt):
+    """serving.tool_parsers.CallReader: a reply fed at once, a character at a time or in random pieces gives the
+    same content and calls, and the deltas joined are the calls (a name after the arguments, possible only where no
+    grammar held the reply, comes whole at the object's end); a reply that is not calls is content, all of it."""
+    import random
+
+    from specrt.serving.tool_parsers import FORMATS, CallReader
+
+    text, content, want = READS[fmt]
+    rng = random.Random(0)
+    at = [0, *sorted(rng.sample(range(1, len(text)), 12)), len(text)]
+    cuts = [[text], list(text), [text[i:j] for i, j in zip(at, at[1:])]]
+    for pieces in cuts:
+        reader = CallReader(FORMATS[fmt], frozenset(SCHEMAS))
+        said, joined = "", {}
+        for piece in pieces:
+            new, deltas = reader.feed(piece)
+            said += new
+            for d in deltas:
+                got = joined.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                got["arguments"] += d["function"]["arguments"]
+        said += reader.end()
+        assert (said or None) == content and [(c["function"]["name"], c["function"]["arguments"])
+                                              for c in reader.calls] == want, (pieces, said, reader.calls)
+        assert [(j["name"], j["arguments"]) for j in joined.values()] == want
+    for other in ("no call here {", '{"name": "get_news", "arguments": {}}', "<tool_call> not json"):
+        reader = CallReader(FORMATS[fmt], frozenset(SCHEMAS))
+        assert reader.feed(other)[0] + reader.end() == other and not reader.calls, other
