@@ -347,8 +347,14 @@ class Batch:
                 self.policy.costs, self._costs_for = self._chain_costs(n), n
             g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
-        proposal = self._propose(g) if drafter and g else None
         constrained = any(row.matcher is not None for row in run.rows)
+        # the draft model's cache catches up on one token a round it skips: it drafts forced tokens itself (masked)
+        catches_up = getattr(drafter, "name", None) != "draft"
+        forced = None
+        if constrained and tree is not None and g and catches_up:
+            forced = self._forced(every=2)   # a forced run in every live row: one pass takes it, no drafter's
+            g = 0 if forced is not None else g
+        proposal = self._propose(g) if drafter and g else None
         kept = None   # a tree the grammars pruned: its nodes' ids in the drafter's tree
         if constrained and proposal is not None and proposal.tree is None:
             proposal = self._steer(proposal, g)
@@ -356,8 +362,7 @@ class Batch:
             proposal, kept, refused = steering.steer_tree(proposal, run.rows, active)
             run.refused += refused
             g = g if proposal is not None else 0
-        forced = None
-        if proposal is None and constrained and getattr(drafter, "name", None) in (None, "ngram"):
+        if proposal is None and forced is None and constrained and catches_up:
             forced = self._forced()   # a plain round takes what the grammars force in its one pass
         if proposal is None:
             g, proposal = 0, forced or run.inputs(run.batch, 1).empty
@@ -376,7 +381,7 @@ class Batch:
         counts[0], counts[1] = counts[0] + 1, counts[1] + (g > 0)
         if self.policy:
             self.policy.update(accepted, proposed)
-        if self.trees and timed:
+        if self.trees and timed and forced is None:   # (a forced round is neither a tree's nor a plain step's)
             self.trees.update(g > 0, accepted / live + 1, time.perf_counter() - began)
 
     @staticmethod
@@ -400,16 +405,18 @@ class Batch:
             drafts.append(branch)
         return drafts
 
-    def _forced(self) -> Proposal | None:
+    def _forced(self, every: int = 0) -> Proposal | None:
         """What the live rows' grammars force (the only token each allows, one after another), as a chain of
         deterministic drafts: their masked P is one-hot, so they are accepted with certainty, and the plain round's
-        one pass takes them all with the token after them. None where no grammar forces a token."""
+        one pass takes them all with the token after them. None where no grammar forces a token, or (`every`) where
+        a live row's grammar forces fewer than `every` tokens (a tree round drafts for it instead)."""
         run = self.run
         cap = self.gen._fit_gamma(run, MAX_GAMMA)
+        active = run.active.tolist()
         chains = [row.matcher.forced()[:cap] if row.matcher is not None and a and cap else []
-                  for row, a in zip(run.rows, run.active.tolist())]
+                  for row, a in zip(run.rows, active)]
         k = max(map(len, chains))
-        if not k:
+        if not k or every and min(len(c) for c, a in zip(chains, active) if a) < every:
             return None
         tokens, valid = np.zeros((run.batch, k), np.int64), np.zeros((run.batch, k), bool)
         for b, chain in enumerate(chains):
