@@ -13,6 +13,7 @@ from test_speculative import P_MIN, chi_square_p
 from specrt.decoding.generate import Generator
 from specrt.decoding.processors import Penalties, node_paths
 from specrt.decoding.sampling import SamplingParams, probs
+from specrt.decoding.tree import Tree
 from specrt.errors import InputError
 
 V = 24   # the exact joint distribution of the first 3 tokens is V³ sequences
@@ -126,8 +127,11 @@ def test_sampled_with_penalties_is_the_processed_target(tiny, method, temperatur
     turn) with penalties, a bias and min-p."""
     gen, model = tiny
     prompt, params = [5, 1, 7], SamplingParams(temperature=temperature, min_p=0.02)
+    # three tokens: the first from the prefill, then at most two a round: drafts past depth 2 are never kept
+    shape = dict(gamma=2) if method == "draft" else dict(tree_choices=Tree.from_paths([[0], [1], [2], [0, 0],
+                                                                                        [0, 1], [1, 0]]))
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=11,
-                       adaptive=False, temperature=temperature, min_p=0.02, **SAMPLED)
+                       adaptive=False, temperature=temperature, min_p=0.02, **shape, **SAMPLED)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted, and rejections (the residual) too
     joint = exact_processed_joint(model, prompt, params, SAMPLED)
     raw = exact_processed_joint(model, prompt, params, {}).sum((1, 2))
