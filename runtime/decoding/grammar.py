@@ -17,6 +17,7 @@ model write newlines until max_tokens. A schema's own "x-guidance" options overr
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -128,7 +129,7 @@ def library(tokenizer) -> _Library:
             lltok = LLTokenizer(text, n_vocab=len(tokenizer), eos_token=eos or None)
         except ValueError as e:
             raise InputError(f"llguidance cannot read this tokenizer ({type(tokenizer).__name__}): {e}") from None
-        key = f"{id(tokenizer):x}-{len(text)}"
+        key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()   # the Sandbox's name for it
         with _lock:
             entry = _by_tokenizer.setdefault(tokenizer, _Library(lltok, text, len(tokenizer), eos, key, OrderedDict()))
     return entry
@@ -206,6 +207,8 @@ def compile_grammar(tokenizer, kind: str, spec=None, *, isolated: bool = False, 
     grammar = Grammar(kind, spec, start, lib.vocab_size, tuple(lib.lltok.eos_tokens), limits)
     chars = len(key[1] or "")
     with _lock:
+        if key in lib.cache:   # compiled meanwhile on another thread
+            return lib.cache[key]
         lib.cache[key] = grammar
         lib.chars += chars
         while len(lib.cache) > limits.cache_entries or lib.chars > limits.cache_chars and len(lib.cache) > 1:
