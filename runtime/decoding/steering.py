@@ -57,8 +57,9 @@ def steer_tree(proposal: Proposal, rows, active) -> tuple[Proposal | None, np.nd
     keep[0] = True
     dev = proposal.tokens.device
     if keep.all():
-        moved = torch.from_numpy(tokens).to(dev)
-        return Proposal(moved, None, proposal.valid, tree, host=(tokens, None) if proposal.host else None), None, dropped
+        steered = Proposal(torch.from_numpy(tokens).to(dev), None, proposal.valid, tree,
+                           host=(tokens, None) if proposal.host else None)
+        return steered, None, dropped
     kept = np.flatnonzero(keep)                                                     # (K + 1,) root first
     if len(kept) == 1:
         return None, None, dropped
