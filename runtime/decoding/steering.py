@@ -11,14 +11,15 @@ pass:
 - a child the grammar refuses, and its subtree, is dropped (as is what a row would draft past its end of
   sequence); the round's tree is the nodes some live row keeps, so a node no row's grammar allows is never
   verified, and a batch of one constrained row verifies only nodes inside its grammar.
-A draft model drafts inside the grammar itself (drafters.DraftMasks): each step's logits masked by the row's matcher along
-the chain drafted so far, so its chain (and the top-k along it, in a tree) has no token the grammar refuses, and a
-sampled draft's Q is the masked distribution it was drawn from. Every node stays a deterministic proposal (a function of the drafter's output, the grammar and the path), so the
-recursive rejection rule over siblings keeps the masked target's distribution, greedy and sampled: a dropped node
-has masked P = 0, its rejection was certain and changed no residual. Walking before the pass, rather than masking
-each level as it is drafted, serves every tree drafter (Medusa's heads, the draft model's top-k, EAGLE's dynamic
-tree, rest's retrieval trees) in one place, at the cost of a drafter spending a node on a token the grammar then
-drops.
+A draft model drafts inside the grammar itself (drafters.DraftMasks): each step's logits masked by the row's matcher
+along the chain drafted so far, so its chain (and the top-k along it, in a tree) has no token the grammar refuses,
+and a sampled draft's Q is the masked distribution it was drawn from. Every node stays a deterministic proposal (a
+function of the drafter's output, the grammar and the path), so the recursive rejection rule over siblings keeps the
+masked target's distribution, greedy and sampled: a dropped node has masked P = 0, its rejection was certain and
+changed no residual.
+Walking before the pass, rather than masking each level as it is drafted, serves every tree drafter (Medusa's heads,
+the draft model's top-k, EAGLE's dynamic tree, rest's retrieval trees) in one place, at the cost of a drafter
+spending a node on a token the grammar then drops.
 """
 from __future__ import annotations
 
