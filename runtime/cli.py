@@ -10,6 +10,7 @@ import click
 
 from specrt.errors import SpecrtError
 from specrt.export.train.run import KINDS
+from specrt.serving.reasoning import AUTO as REASONING_PARSER, FORMATS as REASONING_FORMATS, NONE as NO_REASONING
 from specrt.serving.tool_parsers import AUTO as TOOL_PARSER, FORMATS as TOOL_FORMATS
 
 
@@ -522,9 +523,14 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
               help="The format of tool calls: hermes (<tool_call> blocks: Qwen2.5, Qwen3), llama3_json (Llama 3.1's "
                    "{\"name\", \"parameters\"}), json (a JSON object, several in an array: templates that know no "
                    "tools); auto: from the chat template (docs/serving.md, Tool calls).")
+@click.option("--reasoning-parser", default="auto", show_default=True,
+              type=click.Choice([REASONING_PARSER, NO_REASONING, *REASONING_FORMATS]),
+              help="The reasoning section of the answers: qwen3 (<think>...</think>: Qwen3, QwQ, DeepSeek-R1), "
+                   "returned as reasoning_content apart from content, a grammar applying after it; auto: where the "
+                   "chat template mentions <think>; none: off, the reasoning is content (docs/serving.md, Reasoning).")
 def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, api_key_file,
           max_waiting, request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb,
-          tool_parser):
+          tool_parser, reasoning_parser):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -539,16 +545,18 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
                         read_api_keys(api_key_file) if api_key_file else ())
         if replicas is not None or autoscale is not None:
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
-                            limits, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser)
+                            limits, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser,
+                            reasoning_parser)
             return
         run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
-            suffix_cache_mb, prefix_cache_mb, tool_parser)
+            suffix_cache_mb, prefix_cache_mb, tool_parser, reasoning_parser)
     except SpecrtError as e:
         _fail(e)
 
 
 def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
-                    replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser=TOOL_PARSER):
+                    replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser=TOOL_PARSER,
+                    reasoning_parser=REASONING_PARSER):
     """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
     try:
         from specrt.serving.replicas import ReplicaConfig, run
@@ -567,7 +575,7 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
     count = replicas or (bounds[1] if bounds else 1)
     threads = threads or max(1, (os.cpu_count() or 1) // count)
     config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
-                           suffix_cache_mb, prefix_cache_mb, tool_parser)
+                           suffix_cache_mb, prefix_cache_mb, tool_parser, reasoning_parser)
     run(config, host, port, replicas or 1, bounds)
 
 

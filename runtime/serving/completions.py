@@ -25,6 +25,8 @@ from specrt.serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprob
 from specrt.serving.metrics import Metrics
 from specrt.serving.protocol import (APIError, BaseRequest, ChatRequest, Message, NamedToolChoice,
                                      api_error, error_body)
+from specrt.serving import reasoning as reasoning_parsers
+from specrt.serving.reasoning import Thinking
 from specrt.serving.scheduler import Job, Scheduler
 from specrt.serving.tool_parsers import AUTO as AUTO_FORMAT, FORMATS, CallReader, ToolFormat, detect
 
@@ -102,6 +104,7 @@ class Piece:
     stats: dict | None = None
     calls: list[dict] | None = None
     rounds: list[dict] | None = None   # the rounds that made its tokens (specrt.rounds), None: not asked for
+    reasoning: str | None = None       # its text that is reasoning (serving.reasoning), taken out of `text`
 
 
 # ---- tool calls ----------------------------------------------------------------------------------------------------
@@ -217,7 +220,23 @@ async def _with_calls(pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterat
             if reason is not None:
                 content += reader.end()
                 reason = "tool_calls" if reader.calls and reason == "stop" else reason
-            yield Piece(content, piece.ids, piece.logprobs, reason, piece.stats, deltas or None, piece.rounds)
+            yield Piece(content, piece.ids, piece.logprobs, reason, piece.stats, deltas or None, piece.rounds,
+                        piece.reasoning)
+    finally:
+        await pieces.aclose()
+
+
+async def _with_reasoning(pieces: AsyncIterator[Piece], thinking: Thinking) -> AsyncIterator[Piece]:
+    """A stream's pieces with the reasoning taken out of their text (ReasoningReader), as each piece's `reasoning`."""
+    reader = thinking.reader()
+    try:
+        async for piece in pieces:
+            reasoning, content = reader.feed(piece.text or "")
+            if piece.reason is not None:
+                more, rest = reader.end()
+                reasoning, content = reasoning + more, content + rest
+            yield Piece(content, piece.ids, piece.logprobs, piece.reason, piece.stats, piece.calls, piece.rounds,
+                        reasoning or None)
     finally:
         await pieces.aclose()
 
@@ -240,7 +259,8 @@ class Server:
     """One generator, its scheduler, the answers."""
 
     def __init__(self, gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
-                 max_waiting: int | None = None, request_timeout: float | None = None, tool_parser: str = AUTO_FORMAT):
+                 max_waiting: int | None = None, request_timeout: float | None = None, tool_parser: str = AUTO_FORMAT,
+                 reasoning_parser: str = reasoning_parsers.AUTO):
         self.gen, self.model_name = gen, model_name
         if tool_parser != AUTO_FORMAT and tool_parser not in FORMATS:
             raise InputError(f"tool parser {tool_parser!r}: expected {AUTO_FORMAT} or one of {', '.join(FORMATS)}")
@@ -250,6 +270,13 @@ class Server:
         added = tok.get_added_vocab() if tok is not None else {}
         self.tool_specials = frozenset(m for m in (self.tool_format.open_marker, self.tool_format.close_marker,
                                                    self.tool_format.prefix) if m and m in added)
+        if reasoning_parser not in (reasoning_parsers.AUTO, reasoning_parsers.NONE, *reasoning_parsers.FORMATS):
+            raise InputError(f"reasoning parser {reasoning_parser!r}: expected {reasoning_parsers.AUTO}, "
+                             f"{reasoning_parsers.NONE} or one of {', '.join(reasoning_parsers.FORMATS)}")
+        # the template's reasoning section (None: none, or --reasoning-parser none) and which of its markers are tokens
+        self.reasoning = reasoning_parsers.detect(tok.chat_template if tok is not None else None, reasoning_parser)
+        self.reasoning_specials = frozenset(m for m in (self.reasoning.open, self.reasoning.close)
+                                            if m in added) if self.reasoning is not None else frozenset()
         self.methods = [AUTO] + [m for m in METHODS if m in MODEL_FREE or gen.has(m)]
         if method not in self.methods:
             raise InputError(f"method {method!r}: {gen.directory} serves {', '.join(self.methods)}")
@@ -307,9 +334,11 @@ class Server:
                            "prompt")
         return prompt
 
-    def chat_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[Message], tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
         """The prompt's ids, through the model's chat template; `tools` (OpenAI's tool objects) go to a template
-        that takes them (it mentions `tools`), else into a system message (TOOLS_PROMPT): the first, or a new one."""
+        that takes them (it mentions `tools`), else into a system message (TOOLS_PROMPT): the first, or a new one;
+        `template_kwargs` (the request's chat_template_kwargs, checked by the schema) are the template's variables."""
         tok = self.gen.tokenizer
         if tok is None or not tok.chat_template:
             raise APIError(400, f"messages: {self.model_name} has no chat template: use /v1/completions with the "
@@ -323,12 +352,25 @@ class Server:
                 turns[0]["content"] = f"{turns[0]['content'] or ''}\n\n{prompt}"
             else:
                 turns.insert(0, {"role": "system", "content": prompt})
-        extra = {"tools": tools} if tools and native else {}
+        extra = (template_kwargs or {}) | ({"tools": tools} if tools and native else {})
         try:
             ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, **extra)
         except jinja2.TemplateError as e:
             raise APIError(400, f"messages: the model's chat template refused them: {e}", "messages") from e
+        except (TypeError, ValueError) as e:   # a variable of a type the template cannot use
+            if not template_kwargs:
+                raise
+            raise APIError(400, f"chat_template_kwargs: the model's chat template failed with them ({e}): give it "
+                                "the variables it reads, of the types it reads", "chat_template_kwargs") from e
         return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def thinking(self, ids: list[int]) -> Thinking | None:
+        """A chat prompt's reasoning (None: the template has no reasoning section): whether the prompt has opened
+        the section, read from its last tokens (on the tokenizing thread)."""
+        if self.reasoning is None:
+            return None
+        tail = self.gen.tokenizer.decode(ids[-32:])
+        return Thinking.of_prompt(self.reasoning, tail, self.reasoning_specials)
 
     def tools(self, req: ChatRequest) -> Tools | None:
         """The request's tools (tool_use), their calls in this server's format."""
@@ -356,17 +398,21 @@ class Server:
             raise APIError(400, f"{names[1]}: the output follows one of {' and '.join(names)}, not both", names[1])
         return asked[0] if asked else None
 
-    async def compiled(self, req: BaseRequest, tools: Tools | None = None) -> Grammar | None:
+    async def compiled(self, req: BaseRequest, tools: Tools | None = None,
+                       thinking: Thinking | None = None) -> Grammar | None:
         """The request's grammar (asked_grammar) compiled, or from the cache, on the thread that compiles grammars,
         one at a time, never on the tokenizing thread that every request needs: one that takes seconds (10 at most)
         holds up only the grammars behind it. A spec that does not compile is a 400 naming its field, as is one
         past the server's bounds (grammar.Limits), compiled first in a child process (grammar.Sandbox) so that one
-        that crashes the compiler or runs away costs that process only."""
+        that crashes the compiler or runs away costs that process only. With `thinking` (a reasoning template), the
+        grammar applies from the end of the reasoning (Thinking.grammar), which is free."""
         asked = self.asked_grammar(req, tools)
         if asked is None:
             return None
         param, kind, spec = asked
         try:
+            if thinking is not None:
+                kind, spec = "grammar", thinking.grammar(kind, spec)
             if self.gen.tokenizer is not None:   # its llguidance twin: made once, on the tokenizer's own thread
                 await self.call(grammar_library, self.gen.tokenizer)
             return await asyncio.get_running_loop().run_in_executor(
@@ -512,7 +558,8 @@ class Server:
             return lambda logprobs: chat_logprobs(self.token_texts, logprobs)
         return CompletionLogprobs(self.token_texts).piece
 
-    async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool, tools: Tools | None = None):
+    async def answer(self, req: BaseRequest, ids: list[int], options: dict, chat: bool, tools: Tools | None = None,
+                     thinking: Thinking | None = None):
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
@@ -535,10 +582,13 @@ class Server:
                 reason = "stop" if stopped else _finish(ends[i][0])
                 self.metrics.finish(ends[i][1]["method"], reason)
                 logprobs = self.logprobs_format(chat)(lps[i]) if want else None
-                cut, calls = cut if stopped else cut + text.flush(), None
+                cut, calls, thought = cut if stopped else cut + text.flush(), None, None
+                if thinking is not None:
+                    thought, cut = thinking.split(cut)
                 if tools is not None:
                     cut, calls, reason = tool_answer(tools, cut, reason)
-                choices.append(_choice(chat, i, cut, tokens[i], reason, logprobs, calls=calls))
+                choices.append(_choice(chat, i, cut, tokens[i], reason, logprobs, calls=calls,
+                                       reasoning=thought if thinking is not None else False))
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                     "usage": _usage(ids, sum(map(len, tokens)), ends[0][1]),
                     "specrt": {key: ends[0][1][key] for key in ("method", "acceptance", "distribution_preserving")}
@@ -547,6 +597,9 @@ class Server:
         first = await anext(pieces)    # the prefill's: errors are answered before the stream starts
         fmt = self.logprobs_format(chat) if want else None
         if req.stream:
+            if thinking is not None:
+                pieces = _with_reasoning(_chained(first, pieces), thinking)
+                first = await anext(pieces)
             if tools is not None:
                 pieces = _with_calls(_chained(first, pieces), tools)
                 first = await anext(pieces)
@@ -560,10 +613,13 @@ class Server:
         logprobs = None
         if fmt is not None:
             logprobs = fmt([lp for piece in got for lp in piece.logprobs or []])
-        text, reason, calls = "".join(piece.text or "" for piece in got), got[-1].reason, None
+        text, reason, calls, thought = "".join(piece.text or "" for piece in got), got[-1].reason, None, None
+        if thinking is not None:
+            thought, text = thinking.split(text)
         if tools is not None:
             text, calls, reason = tool_answer(tools, text, reason)
-        choice = _choice(chat, 0, text, tokens, reason, logprobs, calls=calls)
+        choice = _choice(chat, 0, text, tokens, reason, logprobs, calls=calls,
+                         reasoning=thought if thinking is not None else False)
         stats = got[-1].stats
         if options["rounds"]:
             stats = {**(stats or {}), "round_log": _joined(piece.rounds for piece in got)}
@@ -572,17 +628,24 @@ class Server:
 
 
 def _choice(chat: bool, index: int, text: str | None, token_ids: list[int], reason: str | None,
-            logprobs: dict | None = None, delta: bool = False, calls: list[dict] | None = None) -> dict:
+            logprobs: dict | None = None, delta: bool = False, calls: list[dict] | None = None,
+            reasoning: str | None | bool = False) -> dict:
+    """One choice of an answer or a chunk; `reasoning` (a reasoning template's: None where the reply has none;
+    False: no reasoning template) is the message's `reasoning_content`, or a delta's where it is a string."""
     if not chat:
         body = {"text": text or ""}
     elif delta and calls:   # tool_calls deltas (each with its index: CallReader)
         body = {"delta": {"tool_calls": calls}}
+    elif delta and isinstance(reasoning, str):
+        body = {"delta": {"reasoning_content": reasoning}}
     elif delta:
         body = {"delta": {"content": text} if text is not None else {}}
     elif calls:
         body = {"message": {"role": "assistant", "content": text, "tool_calls": calls}}
     else:
         body = {"message": {"role": "assistant", "content": text or ""}}
+    if not delta and chat and reasoning is not False:
+        body["message"]["reasoning_content"] = reasoning
     return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason, "token_ids": token_ids}
 
 
@@ -614,12 +677,20 @@ async def _events(first: Piece, pieces: AsyncIterator[Piece], head: dict, chat: 
             count += len(piece.ids)
             lps = logprobs(piece.logprobs or []) if logprobs is not None and piece.ids else None
             rounds = {"rounds": piece.rounds} if piece.rounds is not None else None
-            if piece.text or piece.ids and not piece.calls:   # its content (the piece's tokens come with it)
-                yield event([_choice(chat, 0, piece.text, piece.ids, None, lps, delta=True)], specrt=rounds)
+            sent = False   # the piece's tokens have come with a chunk
+            if piece.reasoning:   # its reasoning (a reasoning template's), its tokens with it
+                yield event([_choice(chat, 0, None, piece.ids, None, lps, delta=True, reasoning=piece.reasoning)],
+                            specrt=rounds)
                 lps = rounds = None
+                sent = True
+            if piece.text or piece.ids and not piece.calls and not sent:   # its content (the tokens with it)
+                yield event([_choice(chat, 0, piece.text, [] if sent else piece.ids, None, lps, delta=True)],
+                            specrt=rounds)
+                lps = rounds = None
+                sent = True
             for k, call in enumerate(piece.calls or []):   # each call delta a chunk, as OpenAI sends them
-                ids = piece.ids if k == 0 and not piece.text else []
-                yield event([_choice(chat, 0, None, ids, None, lps, delta=True, calls=[call])], specrt=rounds)
+                call_ids = piece.ids if k == 0 and not sent else []
+                yield event([_choice(chat, 0, None, call_ids, None, lps, delta=True, calls=[call])], specrt=rounds)
                 lps = rounds = None
             if piece.reason is not None:   # the last chunk carries the request's figures (a stop string's: none)
                 stats = piece.stats

@@ -4,6 +4,7 @@ guided_regex / guided_grammar; tools and tool_choice), the fields it refuses by 
 from REFUSED into its model), and the errors, OpenAI's error objects."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
@@ -25,6 +26,16 @@ TEMPERATURE_MAX = 2.0   # OpenAI's bound: above it the distribution is noise, an
 STOP_MAX, STOP_CHARS = 16, 256   # stop strings: how many, and the characters of each (a delimiter, never a text: the
                                  # held-back tail a piece is checked against is at most STOP_CHARS - 1 characters)
 CACHE_SALT_CHARS = 256   # cache_salt: a tenant's or a user's name for its prefix cache partition
+TEMPLATE_KWARGS_MAX, TEMPLATE_KWARG_CHARS = 16, 1024   # chat_template_kwargs: how many, a string value's characters
+TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# the chat template's own arguments and variables (apply_chat_template's, the tokenizer's special tokens, Jinja's
+# globals): a request's chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens", "raise_exception", "strftime_now",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
 
 
 class Forbid(BaseModel):
@@ -221,6 +232,40 @@ class ChatRequest(BaseRequest):
     safety_identifier: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_key: str | None = Field(None, description=NO_EFFECT)
     prompt_cache_retention: str | None = Field(None, description=NO_EFFECT)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=f"vLLM's: variables for the model's chat "
+        f"template, e.g. {{\"enable_thinking\": false}}; up to {TEMPLATE_KWARGS_MAX} names, each a JSON scalar "
+        f"(a string of at most {TEMPLATE_KWARG_CHARS} characters, a number, a boolean, null), none of the template's "
+        "own arguments (messages, tools, add_generation_prompt, the special tokens...).")
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, kwargs):
+        """Each name and value bounded and a JSON scalar; none of the template's own arguments."""
+        def bad(message: str, **ctx):
+            return PydanticCustomError("chat_template_kwargs", message, ctx)
+
+        if kwargs is None:
+            return None
+        if not isinstance(kwargs, dict):
+            raise bad("expected an object of names to values, e.g. {example}", example='{"enable_thinking": false}')
+        if len(kwargs) > TEMPLATE_KWARGS_MAX:
+            raise bad("{count} names: at most {limit}; give the template only the variables it reads",
+                      count=len(kwargs), limit=TEMPLATE_KWARGS_MAX)
+        for key, value in kwargs.items():
+            if not TEMPLATE_KWARG_NAME.fullmatch(key):
+                raise bad("the name {key} is not a template variable's: letters, digits and _, at most 64, not "
+                          "beginning with a digit", key=repr(key[:80]))
+            if key in TEMPLATE_ARGUMENTS:
+                raise bad("{key}: the server gives the chat template this argument itself; leave it out (tools and "
+                          "messages are the request's own fields)", key=key)
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise bad("{key}: a {kind}; a template variable here is a JSON scalar (a string, number, boolean or "
+                          "null)", key=key, kind=type(value).__name__)
+            if isinstance(value, str) and len(value) > TEMPLATE_KWARG_CHARS:
+                raise bad("{key}: {chars} characters; a string here has at most {limit} (the messages carry text)",
+                          key=key, chars=len(value), limit=TEMPLATE_KWARG_CHARS)
+        return kwargs
+
     REFUSED: ClassVar[dict[str, str]] = {
         "functions": "the deprecated function calls are not served: use tools and tool_choice",
         "function_call": "the deprecated function calls are not served: use tools and tool_choice",

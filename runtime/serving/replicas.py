@@ -63,6 +63,7 @@ class ReplicaConfig:
     suffix_cache_mb: float | None = None  # suffix decoding's index, one of this size in each replica
     prefix_cache_mb: float | None = None  # each replica's own prefix cache (None: the default, see server.load)
     tool_parser: str = "auto"             # the format of tool calls (tool_parsers.FORMATS; auto: the template's)
+    reasoning_parser: str = "auto"        # the reasoning section (reasoning.FORMATS; auto: the template's; none)
 
     def __post_init__(self):
         self.engines = str(Path(self.engines).resolve())   # the same path on every node of the cluster
@@ -81,7 +82,7 @@ class Engine:
         gen = load(config.engines, config.device, config.threads, config.prefill_chunk, config.datastore,
                    config.suffix_cache_mb, config.prefix_cache_mb)
         self.app = create_app(gen, config.model_name, config.method, config.max_batch, config.limits,
-                              config.tool_parser)
+                              config.tool_parser, config.reasoning_parser)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         metrics, hub = self.app.state.server.metrics, MetricsHub.get()
 

@@ -41,6 +41,7 @@ from specrt.serving.completions import Server, message_chars
 from specrt.serving.metrics import CONTENT_TYPE
 from specrt.serving.protocol import (APIError, ChatRequest, CompletionRequest, api_error, error_body, error_responses,
                                      invalid)
+from specrt.serving.reasoning import AUTO as REASONING_PARSER
 from specrt.serving.tool_parsers import AUTO as TOOL_PARSER
 from specrt.serving.scheduler import Job, Scheduler  # noqa: F401 -- re-exported: the scheduler's users import it here
 
@@ -160,8 +161,10 @@ class Limits:
 
 
 def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: int = 8,
-               limits: Limits = Limits(), tool_parser: str = TOOL_PARSER) -> FastAPI:
-    server = Server(gen, model_name, method, max_batch, limits.max_waiting, limits.request_timeout, tool_parser)
+               limits: Limits = Limits(), tool_parser: str = TOOL_PARSER,
+               reasoning_parser: str = REASONING_PARSER) -> FastAPI:
+    server = Server(gen, model_name, method, max_batch, limits.max_waiting, limits.request_timeout, tool_parser,
+                    reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -230,11 +233,12 @@ def create_app(gen: Generator, model_name: str, method: str = AUTO, max_batch: i
         tools = server.tools(req)
         if tools is not None:
             server.check_chars(len(json.dumps(tools.shown)), "tools")
-        ids = await server.call(server.chat_ids, req.messages, tools and tools.shown)
-        grammar = await server.compiled(req, tools)
+        ids = await server.call(server.chat_ids, req.messages, tools and tools.shown, req.chat_template_kwargs)
+        thinking = await server.call(server.thinking, ids)
+        grammar = await server.compiled(req, tools, thinking)
         options = server.options(req, ids, "messages", req.max_completion_tokens or req.max_tokens, grammar,
                                  request.scope.get(TENANT))
-        return await server.answer(req, ids, options, chat=True, tools=tools)
+        return await server.answer(req, ids, options, chat=True, tools=tools, thinking=thinking)
 
     return app
 
@@ -292,13 +296,16 @@ def serve(engines: str | Path, host: str = "127.0.0.1", port: int = 8000, model_
           method: str = AUTO, device: str = "auto", threads: int | None = None,
           max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK, limits: Limits = Limits(),
           datastore: str | Path | None = None, suffix_cache_mb: float | None = None,
-          prefix_cache_mb: float | None = None, tool_parser: str = TOOL_PARSER) -> None:
+          prefix_cache_mb: float | None = None, tool_parser: str = TOOL_PARSER,
+          reasoning_parser: str = REASONING_PARSER) -> None:
     """Load ENGINES and serve them until SIGTERM or Ctrl-C (the running requests get SHUTDOWN_GRACE_S to finish).
     `datastore`: rest's (see Generator.use_datastore); `suffix_cache_mb`: suffix decoding's index of the finished
     outputs (see SuffixCache); `prefix_cache_mb`: the prefix cache's bound (see load); `tool_parser`: the format of
-    tool calls (serving.tool_parsers.FORMATS; auto: from the chat template)."""
+    tool calls (serving.tool_parsers.FORMATS; auto: from the chat template); `reasoning_parser`: the reasoning section
+    (serving.reasoning.FORMATS; auto: from the chat template; none: off)."""
     gen = load(engines, device, threads, prefill_chunk, datastore, suffix_cache_mb, prefix_cache_mb)
-    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits, tool_parser)
+    app = create_app(gen, model_name or Path(engines).resolve().name, method, max_batch, limits, tool_parser,
+                     reasoning_parser)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["specrt"] = {"handlers": ["default"], "level": "INFO"}
     # uvicorn's own limit, should a request not end when the scheduler ends it
