@@ -203,7 +203,7 @@ def test_large_measured_child_peak_and_output():
     code = "import json, time; b = b'x' * (200 << 20); del b; time.sleep(0.5); print(json.dumps({'done': 1}))"
     began = time.perf_counter()
     r = large.measured([sys.executable, "-c", code])
-    assert 0.5 <= r["wall_s"] + 0.05 <= time.perf_counter() - began + 0.05
+    assert 0.5 <= r["wall_s"] <= time.perf_counter() - began + 0.05   # (rounding adds at most 0.05)
     assert r["output"] == {"done": 1} and r["peak_rss_gb"] >= 0.2
     with pytest.raises(RuntimeError, match="failed \\(3\\):\n.*gone"):
         large.measured([sys.executable, "-c", "import sys; sys.stderr.write('gone'); sys.exit(3)"])
