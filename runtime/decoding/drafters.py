@@ -20,6 +20,7 @@ import torch
 
 from specrt.engines.base import chain_mask
 from specrt.errors import InputError
+from specrt.decoding import processors
 from specrt.decoding.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids, top_k_in_place
 from specrt.decoding.tree import Tree
 
@@ -97,13 +98,12 @@ class DraftMasks:
         if b not in self.live:
             return logits
         allowed = self.matchers[b].allowed()
-        if isinstance(logits, torch.Tensor):
-            refused = ~torch.from_numpy(allowed).to(logits.device)
-            masked = logits.masked_fill(refused, float("-inf"))
-            return masked if torch.isfinite(masked).any() else torch.zeros_like(logits).masked_fill(refused,
-                                                                                                  float("-inf"))
-        masked = np.where(allowed, logits, -np.inf).astype(logits.dtype)
-        return masked if np.isfinite(masked).any() else np.where(allowed, 0.0, -np.inf).astype(logits.dtype)
+        masked = logits.copy() if isinstance(logits, np.ndarray) else logits.clone()
+        processors.mask(masked, allowed)
+        keep = allowed if isinstance(masked, np.ndarray) else torch.from_numpy(allowed).to(masked.device)
+        if not masked[keep].max() > float("-inf"):
+            masked[keep] = 0.0
+        return masked
 
     def advance(self, b: int, token: int) -> None:
         if b in self.live:
