@@ -28,25 +28,30 @@ import torch
 from torch import nn
 
 from specrt.errors import CheckpointError, DrafterMismatchError, InputError
-from specrt.export.model import Block, SpecModel, full_vocab, plain_layers, rope
+from specrt.export.model import Block, RMSNorm, SpecModel, full_vocab, plain_layers, rope
 
 CONFIG, WEIGHTS = "eagle_config.json", "eagle.safetensors"
 PUBLISHED_CONFIG, PUBLISHED_WEIGHTS = "config.json", ("model.safetensors", "pytorch_model.bin")
 SHAPE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
-TRAINED = ("fc.", "layers.")
+TRAINED = ("fc.", "layers.", "enorm.", "hnorm.", "norm.")
 
 
 class EagleModel(nn.Module):
     """The trained part (`fc`, `layers`) on the target's frozen embeddings, LM head and rope tables."""
 
     def __init__(self, target: SpecModel, vocab_subset: list[int] | None = None, num_layers: int = 1,
-                 input_norm: bool = True, **layer):
+                 input_norm: bool = True, mtp: bool = False, **layer):
         """`input_norm` False: layer 0 reads the fused input as it is (the EAGLE-1/2 drafters' layer has no input
-        layernorm); `layer`: ModelArgs fields of the layers that differ from the target's (rms_norm_eps, biases)."""
+        layernorm); `mtp`: a target's MTP module (see specrt.export.mtp): an RMSNorm on each input of `fc`
+        (`hnorm` on the feature, `enorm` on the embedding) and one (`norm`) between the layers and the LM head,
+        the `hidden` output staying before it; `layer`: ModelArgs fields of the layers that differ from the
+        target's (rms_norm_eps, biases)."""
         super().__init__()
         a = self.args = replace(plain_layers(target.args), num_layers=num_layers, **layer)
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
         self.layers = nn.ModuleList(Block(a) for _ in range(num_layers))
+        norm = (lambda: RMSNorm(a.hidden_size, a.rms_norm_eps)) if mtp else nn.Identity
+        self.hnorm, self.enorm, self.norm = norm(), norm(), norm()
         if not input_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.embed_tokens = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().clone())
@@ -72,7 +77,8 @@ class EagleModel(nn.Module):
             w_features, w_tokens = w[:, :d].T, w[:, d:].T                       # (d, d) each
         else:                                                                   # at export (see export_eagle)
             w_features, w_tokens = self.fc_t
-        return features @ w_features + self.embed_tokens(input_ids) @ w_tokens + self.fc.bias  # (B, S, d)
+        return self.hnorm(features) @ w_features + self.enorm(self.embed_tokens(input_ids)) @ w_tokens + \
+            self.fc.bias                                                        # (B, S, d)
 
     def forward(self, input_ids, position_ids, past_len, tree_mask, num_logits, features, *caches):
         hidden = self.fuse(features, input_ids)                                 # (B, S, d)
@@ -84,11 +90,11 @@ class EagleModel(nn.Module):
             new_kv += [k, v]
         S = hidden.shape[1]
         last = torch.arange(S - num_logits[0], S)
-        return (self.lm_head(hidden.index_select(1, last)), hidden, *new_kv)   # over the kept ids
+        return (self.lm_head(self.norm(hidden.index_select(1, last))), hidden, *new_kv)   # over the kept ids
 
     def logits(self, hidden):
         """Predicted features (..., d) -> logits (..., V), -inf outside the kept ids."""
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(self.norm(hidden))
         return logits if self.vocab_index is None else full_vocab(logits, self.vocab_index, self.args.vocab_size)
 
     def train_forward(self, features, input_ids):

@@ -14,6 +14,7 @@ from specrt.export.eagle import export_eagle, load_eagle, layout as eagle_layout
 from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_proposer
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
+from specrt.export.mtp import export_mtp, find_mtp, load_mtp
 from specrt.export.sources import load_source
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, read_manifest, sha256_file, write_manifest
 from specrt.files import StagingDir
@@ -196,6 +197,15 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                     ids = drafter.vocab_index.tolist()
                     (tmp / "eagle_vocab.json").write_text(json.dumps({"kept_ids": ids}) + "\n")
                     models["eagle"]["output_ids"] = {**file_entry(tmp, "eagle_vocab.json"), "count": len(ids)}
+            if role == "target" and eagle is not None and find_mtp(source):
+                log(f"the MTP module of {source} is not exported: --eagle takes the feature drafter's place")
+            mtp = load_mtp(source, model) if role == "target" and eagle is None else None
+            if mtp is not None:   # the checkpoint's own MTP module as the feature drafter (see specrt.export.mtp)
+                log(f"tracing the target's MTP module ({mtp[1]}) to ONNX (--method mtp)")
+                models["eagle"] = export_mtp(*mtp, source, tmp, src.eos_token_ids, dtype)
+                models["eagle"]["acceptance"] = checked(model, eagle_proposer(mtp[0]), prompts, src,
+                                                        f"the MTP module of {source}",
+                                                        "enorm and hnorm, or eh_proj's halves, swapped", log)
         manifest = {"format_version": FORMAT_VERSION, "models": models, "backend": None,
                     "tool_versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                       "transformers": transformers.__version__}}

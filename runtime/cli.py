@@ -15,7 +15,7 @@ from specrt.serving.tool_parsers import AUTO as TOOL_PARSER, FORMATS as TOOL_FOR
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
-METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest"]
 TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
                    "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
                    "target's own sampling (--acceptance exact, the default, is)")
@@ -252,7 +252,7 @@ def _summary(s: dict) -> None:
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "rest"]), default="draft",
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "mtp", "rest"]), default="draft",
               show_default=True)
 @click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
 @datastore_option
@@ -583,7 +583,7 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--concurrency", default="1,2,4,8", show_default=True,
               help="Requests in flight at once, one wave each (comma-separated); 1 is the one-at-a-time baseline.")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "rest"]),
+@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest"]),
               default="autoregressive", show_default=True)
 @click.option("--requests", default=16, show_default=True, type=click.IntRange(1, 10000),
               help="Requests per wave (MT-Bench prompts, repeated if needed).")

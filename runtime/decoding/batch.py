@@ -51,7 +51,7 @@ class Batch:
             raise InputError(f"batch capacity {capacity}: must be at least 1")
         self.gen, self.method, self.gamma, self.adaptive = gen, method, gamma, adaptive
         figures = None
-        if method == "eagle" and adaptive:   # EAGLE's calibration: from the last request of its regime
+        if method in ("eagle", "mtp") and adaptive:   # EAGLE's calibration: from the last request of its regime
             last = gen._eagle_figures.get(regime) or gen._eagle_figures.get(params.greedy)
             figures = gen._eagle_figures[regime] = last.following() if last else Figures()
         self.drafter = gen._drafter(method, tree, tree_choices, gamma, ngram_max, ngram_min, adaptive, figures)

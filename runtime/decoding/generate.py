@@ -72,7 +72,12 @@ class Generator:
         self.prefix_cache: PrefixCache | None = PrefixCache.of_mb(prefix_cache_mb)
 
     def has(self, role: str) -> bool:
-        """Whether the engine set has the drafter `role` ("draft", "medusa" or "eagle"), loaded or not."""
+        """Whether the engine set has the drafter `role` ("draft", "medusa", "eagle" or "mtp"), loaded or not. The
+        target's MTP module (specrt.export.mtp) is the `eagle` engine of kind "mtp": `mtp` names it, `eagle` not."""
+        if role in ("eagle", "mtp"):   # one engine, `eagle`: a drafter trained for EAGLE or the target's MTP module
+            if (self.manifest.get("models", {}).get("eagle", {}).get("kind") == "mtp") != (role == "mtp"):
+                return False
+            role = "eagle"
         return role in self._drafters or role in self._loaders
 
     def _drafter_engine(self, role: str):
@@ -374,7 +379,11 @@ class Generator:
         if method == "medusa" and not self.has("medusa"):
             raise InputError(f"--method medusa: {self.directory} has no Medusa heads; export with --medusa PATH")
         if method == "eagle" and not self.has("eagle"):
-            raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter; export with --eagle PATH")
+            mtp = " (its feature drafter is the target's MTP module: --method mtp)" if self.has("mtp") else ""
+            raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter{mtp}; export with --eagle PATH")
+        if method == "mtp" and not self.has("mtp"):
+            raise InputError(f"--method mtp: {self.directory} has no MTP module; export a target checkpoint that ships "
+                             "one (DeepSeek-V3, GLM-4.5 or MiMo layout: docs/drafters.md)")
         if gamma is not None and not 1 <= gamma <= 64:
             raise InputError(f"gamma {gamma}: must be between 1 and 64")
 
@@ -435,7 +444,7 @@ class Generator:
             chosen = self.tree_for("medusa", tree_choices)
             return MedusaDrafter(self.medusa, Tree.chain(chosen.max_depth) if self.chains_only else chosen,
                                  self._timed_call)
-        if method == "eagle":
+        if method in ("eagle", "mtp"):   # the same drafter: mtp's graph has three norms more
             shape = self.eagle_shape()
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,

@@ -75,8 +75,8 @@ def rule(gen) -> str:
     for; else the draft model; else prompt lookup, which needs no drafter."""
     if gen.chains_only:
         return "ngram"
-    if gen.has("eagle"):
-        return "eagle"
+    if gen.has("eagle") or gen.has("mtp"):   # the feature drafter: trained for EAGLE, or the target's MTP module
+        return "eagle" if gen.has("eagle") else "mtp"
     return "draft" if gen.has("draft") else "ngram"
 
 

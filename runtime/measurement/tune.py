@@ -64,7 +64,7 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
         _trees(gen, prompts, log)
     for b in cfg.batches:   # the passes a request or a server's batch would otherwise time first
         gen.costs(b, upto=64 if b == 1 else MAX_GAMMA + 1)
-        if gen.has("eagle"):
+        if gen.has("eagle") or gen.has("mtp"):
             gen.eagle_costs(b, gen.eagle_shape())
     methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
     speeds, acceptance = {}, {}

@@ -1,0 +1,176 @@
+"""A target's MTP module as its drafter (specrt.export.mtp): a tiny Llama target whose checkpoint holds a DeepSeek-V3
+style MTP module, written here from the DeepSeek-V3 technical report (section 2.2) and self-distilled on the target's
+own outputs; its export, its logits, chaining, and the target's promise under --method mtp."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from greedy_check import assert_same_or_tie
+from specrt.decoding.drafters import chain_mask
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import SamplingParams
+from specrt.errors import CheckpointError, InputError
+from test_speculative import P_MIN, V, chi_square_p, exact_joint, sample_first3
+
+MAX_LEN = 48
+
+
+class PaperMTP(nn.Module):
+    """One MTP module as the report describes it: h' = M [RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)] (the embedding's
+    half first, as DeepSeek-V3's checkpoints order eh_proj), one Transformer block of the main model's kind (here
+    transformers' own Llama layer), and the shared output head over RMSNorm of the block's output. `forward` returns
+    the block's output (what the next depth reads) and the logits."""
+
+    def __init__(self, target):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+        c = target.config
+        d = c.hidden_size
+        self.enorm, self.hnorm = LlamaRMSNorm(d, c.rms_norm_eps), LlamaRMSNorm(d, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = LlamaDecoderLayer(c, layer_idx=c.num_hidden_layers)
+        self.head_norm = LlamaRMSNorm(d, c.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(c)
+        self.embed, self.head = target.model.embed_tokens, target.lm_head   # shared with the main model
+        with torch.no_grad():
+            for norm in (self.enorm, self.hnorm, self.head_norm):   # unlike each other: an order mix-up shows
+                norm.weight.normal_(1.0, 0.3)
+
+    def forward(self, hidden, tokens, positions):
+        """hidden (B, S, d): the previous depth's representation at i; tokens (B, S): token i + 1; positions (B, S)."""
+        x = self.eh_proj(torch.cat([self.enorm(self.embed(tokens)), self.hnorm(hidden)], -1))   # (B, S, d)
+        S = x.shape[1]
+        mask = torch.full((S, S), float("-inf")).triu(1)[None, None]                           # (1, 1, S, S)
+        out = self.block(x, attention_mask=mask, position_ids=positions,
+                         position_embeddings=self.rotary(x, positions))
+        out = out[0] if isinstance(out, tuple) else out
+        return out, self.head(self.head_norm(out))
+
+    def checkpoint_keys(self, layer: int) -> dict:
+        """The module's weights as DeepSeek-V3's checkpoints hold them, after the target's own layers."""
+        p = f"model.layers.{layer}."
+        keys = {p + "enorm.weight": self.enorm.weight, p + "hnorm.weight": self.hnorm.weight,
+                p + "eh_proj.weight": self.eh_proj.weight, p + "shared_head.norm.weight": self.head_norm.weight,
+                p + "shared_head.head.weight": self.head.weight, p + "embed_tokens.weight": self.embed.weight}
+        keys.update({p + k: v for k, v in self.block.state_dict().items()})
+        return {k: v.detach().clone().contiguous() for k, v in keys.items()}
+
+
+def self_distill(mtp: PaperMTP, target, steps: int = 150, seed: int = 0) -> None:
+    """Train the module on the target's own samples: slot t reads the target's last hidden state at t and token
+    t + 1 and learns the target's distribution of token t + 2 (soft cross-entropy)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        prompts = torch.randint(0, V, (64, 3), generator=g)
+        torch.manual_seed(seed)
+        seqs = target.generate(prompts, do_sample=True, max_new_tokens=21, min_new_tokens=21,
+                               attention_mask=torch.ones_like(prompts))                  # (64, 24)
+        feats = target.model(seqs).last_hidden_state                                     # (64, 24, d)
+        probs = target.lm_head(feats).softmax(-1)                                        # (64, 24, V)
+    trained = [p for n, p in mtp.named_parameters() if not n.startswith(("embed", "head."))]
+    opt = torch.optim.Adam(trained, lr=3e-3)
+    S = seqs.shape[1] - 2
+    positions = torch.arange(S)[None].expand(seqs.shape[0], S)
+    for _ in range(steps):
+        _, logits = mtp(feats[:, :S], seqs[:, 1:S + 1], positions)
+        loss = -(probs[:, 1:S + 1] * logits.log_softmax(-1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mtp.eval()
+
+
+def save_with_mtp(target, mtp: PaperMTP, directory) -> None:
+    """`target`'s checkpoint with the module's weights in its safetensors, as a DeepSeek-V3 checkpoint holds them."""
+    from safetensors.torch import load_file, save_file
+    target.save_pretrained(directory)
+    state = load_file(str(directory / "model.safetensors"))
+    state.update(mtp.checkpoint_keys(target.config.num_hidden_layers))
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+
+
+@pytest.fixture(scope="module")
+def mtp_set(tmp_path_factory):
+    """A tiny peaked target (vocabulary V, for the exact joint distribution) with a self-distilled MTP module in its
+    checkpoint, exported (the module found by `specrt export` itself) and built for the CPU."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    tmp = tmp_path_factory.mktemp("mtp")
+    model = tiny_model("llama", seed=1, vocab=V, init=0.3)
+    torch.manual_seed(4)
+    mtp = PaperMTP(model)
+    self_distill(mtp, model)
+    save_with_mtp(model, mtp, tmp / "src")
+    logs = []
+    export_engines(str(tmp / "src"), tmp / "engines", max_seq_len=MAX_LEN, log=logs.append)
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    return Generator.from_engines(tmp / "engines"), model, mtp, logs
+
+
+def test_export_finds_the_module(mtp_set):
+    gen, _, _, logs = mtp_set
+    spec = gen.manifest["models"]["eagle"]
+    assert spec["kind"] == "mtp" and spec["layout"] == "deepseek model.layers.2."
+    assert gen.has("mtp") and not gen.has("eagle")
+    assert any("MTP module" in line for line in logs)
+
+
+def test_logits_match_the_papers_module(mtp_set):
+    """The engine against PaperMTP: six slots over the target's features (depth 1), then a slot that reads the
+    engine's own output at the last of them (depth 2, chained as the runtime chains it)."""
+    gen, model, mtp, _ = mtp_set
+    ids = torch.tensor([[3, 9, 1, 4, 1, 5, 9, 2]])
+    with torch.no_grad():
+        feats = model.model(ids).last_hidden_state                                      # (1, 8, d)
+        ref_hidden, ref_logits = mtp(feats[:, :6], ids[:, 1:7], torch.arange(6)[None])
+        cache = gen.eagle.new_cache(1, MAX_LEN)
+        out = gen.eagle.forward(ids[:, 1:7], torch.arange(6)[None], cache.past_len, chain_mask(1, 6), 6, cache,
+                                features=feats[:, :6])
+        assert (out.logits - ref_logits).abs().max() < 1e-4
+        cache.write(out.new_kv)
+        cache.past_len += 6
+        chained = torch.cat([feats[:, :6], ref_hidden[:, 5:6]], 1)                      # depth 2 at slot 6
+        _, ref_deeper = mtp(chained, ids[:, 1:8], torch.arange(7)[None])
+        deeper = gen.eagle.forward(ids[:, 7:8], torch.tensor([[6]]), cache.past_len, chain_mask(1, 1), 1, cache,
+                                   features=out.hidden[:, 5:6])
+        assert (deeper.logits[0, 0] - ref_deeper[0, 6]).abs().max() < 1e-4
+
+
+def test_greedy_equals_the_target_alone(mtp_set):
+    gen, model, _, _ = mtp_set
+    accepted = proposed = 0
+    for seed in range(3):
+        prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="autoregressive").token_ids[0]
+        for shape in (dict(top_k=1, depth=4, nodes=4), dict(top_k=3, depth=3, nodes=8)):   # a chain, a tree
+            gen.eagle.spec["dynamic_tree"] = shape
+            out = gen.generate(prompt_ids=prompt, max_new_tokens=30, method="mtp", adaptive=False)
+            assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+            accepted += out.stats["acceptance_rate"] * out.stats["rounds"]
+            proposed += out.stats["rounds"]
+    print(f"mtp greedy: {accepted / proposed:.2f} accepted drafts a round")
+    assert accepted > 0
+
+
+def test_distribution_is_the_target_distribution(mtp_set):
+    gen, model, _, _ = mtp_set
+    gen.eagle.spec["dynamic_tree"] = dict(top_k=3, depth=3, nodes=8)
+    prompt = [5, 1, 7]
+    out = sample_first3(gen, prompt, "mtp", None, seed=123, temperature=1.0)
+    assert 0 < out.stats["acceptance_rate"] < 0.95
+    p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"mtp: chi-square p = {p:.4f}, acceptance {out.stats['acceptance_rate']:.2f}")
+    assert p > P_MIN
+
+
+def test_methods_name_the_drafter(mtp_set, tmp_path):
+    gen, _, _, _ = mtp_set
+    with pytest.raises(InputError, match="MTP module.*--method mtp"):
+        gen.generate(prompt_ids=[1, 2], max_new_tokens=2, method="eagle")
