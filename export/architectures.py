@@ -2,9 +2,10 @@
 
 Each entry says how a transformers checkpoint of that `model_type` differs from the Llama decoder layer that
 export/model.py writes once; the sizes, the windows and the soft-caps are read from the config there
-(`args_from_config`). `architecture_of` refuses, by name, what the graph does not implement: an unregistered
-model type (a mixture of experts among them), a layer type other than full or sliding-window attention, an MLP
-activation it does not know, bidirectional attention.
+(`args_from_config`). A mixture of experts (`experts_key`) replaces the MLP of its sparse layers by the routed
+block of export/moe.py. `architecture_of` refuses, by name, what the graph does not implement: an unregistered
+model type (a mixture of experts with shared experts among them), a layer type other than full or sliding-window
+attention, an MLP activation it does not know, bidirectional attention, clipped q/k/v.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from specrt.errors import UnknownSourceError
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")   # the MLP activations export/model.py implements
 LAYER_TYPES = ("full_attention", "sliding_attention")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")   # config fields of a mixture of experts
+SHARED = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")   # ... with shared experts
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,15 @@ class Architecture:
     softcap: bool = False      # tanh soft-caps of attention scores and final logits, where the config sets them
     local_rope: bool = False   # windowed layers rotate by their own rope parameters (Gemma 3)
     act_key: str = "hidden_act"  # config field naming the MLP activation
+    qk_norm_whole: bool = False  # the q/k norm is over the whole projection, not per head (OLMoE)
+    multipliers: bool = False  # Granite's embedding, attention and residual multipliers and logits_scaling
+    # a mixture of experts (export/moe.py): the config field of the expert count; None: a dense MLP
+    experts_key: str | None = None
+    moe_block: str = "mlp"     # the layer's MoE module: {moe_block}.{router}.weight, {moe_block}.experts.*
+    router: str = "gate"
+    moe_size_key: str = "intermediate_size"   # config field of each expert's intermediate size
+    norm_topk_prob: bool | str = True   # the top-k weights renormalised to sum to 1: always, or as this field says
+    sparse_step: bool = False  # Qwen3-MoE: mlp_only_layers and decoder_sparse_step say which layers have experts
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -47,6 +58,15 @@ REGISTRY: dict[str, Architecture] = {
                      embed_scale=True, sandwich_norms=True, query_scale_key="query_pre_attn_scalar", softcap=True,
                      local_rope=True, act_key="hidden_activation"),
         Architecture("phi3", "Phi3ForCausalLM", windows="all", fused_projections=True),
+        Architecture("qwen3_moe", "Qwen3MoeForCausalLM", windows="all", qk_norm=True,
+                     experts_key="num_experts", moe_size_key="moe_intermediate_size",
+                     norm_topk_prob="norm_topk_prob", sparse_step=True),
+        Architecture("mixtral", "MixtralForCausalLM", windows="all", experts_key="num_local_experts"),
+        Architecture("olmoe", "OlmoeForCausalLM", qk_norm=True, qk_norm_whole=True, experts_key="num_experts",
+                     norm_topk_prob="norm_topk_prob"),
+        # the router's softmax over the top-k logits: the top-k of the softmax, renormalised
+        Architecture("granitemoe", "GraniteMoeForCausalLM", multipliers=True, experts_key="num_local_experts",
+                     moe_block="block_sparse_moe", router="router"),
     )
 }
 
@@ -55,13 +75,19 @@ def architecture_of(config, name: str = "the model") -> Architecture:
     """The registry entry of a transformers config; UnknownSourceError naming what is not implemented."""
     arch = REGISTRY.get(config.model_type)
     experts = next((f"{k} = {getattr(config, k)}" for k in EXPERTS if getattr(config, k, None)), None)
+    shared = next((f"{k} = {getattr(config, k)}" for k in SHARED if getattr(config, k, None)), None)
     if arch is None:
-        what = f" (a mixture of experts, {experts}: not implemented)" if experts else ""
+        what = f" (a mixture of experts, {experts}{f', shared experts, {shared}' if shared else ''}: not " \
+               "implemented)" if experts else ""
         raise UnknownSourceError(f"{name} is a {config.model_type!r} model{what}; supported architectures: "
                                  f"{', '.join(sorted(REGISTRY))}")
-    if experts:
-        raise UnknownSourceError(f"{name} is a {config.model_type!r} model with a mixture of experts ({experts}): "
-                                 "not implemented; export a dense model")
+    if shared or experts and not arch.experts_key:
+        what = f"shared experts ({shared})" if shared else f"a mixture of experts ({experts})"
+        raise UnknownSourceError(f"{name} is a {config.model_type!r} model with {what}: not implemented; export a "
+                                 "model of a supported architecture")
+    if getattr(config, "clip_qkv", None):
+        raise UnknownSourceError(f"{name}: clip_qkv = {config.clip_qkv} (q/k/v clipped) is not implemented; "
+                                 "export a model without it")
     act = getattr(config, arch.act_key, "silu")
     if act not in ACTIVATIONS:
         raise UnknownSourceError(f"{name}: MLP activation {act!r} ({arch.act_key}) is not implemented; supported: "

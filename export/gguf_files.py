@@ -172,7 +172,7 @@ def check_gguf(path: str | Path, name: str | None = None) -> GGUFHeader:
     experts = header.metadata.get(f"{arch}.expert_count")
     if experts:
         raise UnknownSourceError(f"{name} is a {arch!r} GGUF file with a mixture of experts ({arch}.expert_count = "
-                                 f"{experts}): not implemented; export a dense model")
+                                 f"{experts}): not implemented from a GGUF file; export the model's checkpoint directory")
     refused: dict[str, list[str]] = {}
     for t in header.tensors:
         if not dequantized(t.type):

@@ -10,6 +10,7 @@ forward(input_ids, position_ids, past_len, tree_mask, num_logits, *caches)
 A draft may keep a reduced output vocabulary (`vocab_subset`, K ids): its lm_head is [K, d] and the K logits are
 scattered into a full row that is -inf elsewhere, so the output stays [B, n, V] and every other id has draft
 probability exactly zero (the rejection rule stays exact).
+A mixture of experts routes each token of its sparse layers to its top-k experts (specrt.export.moe).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from specrt.export.architectures import Architecture, architecture_of, layer_windows
+from specrt.export.moe import SparseMoE, split_experts
 from specrt.plugins.tree_attention import tree_attention
 
 
@@ -46,6 +48,14 @@ class ModelArgs:
     final_softcap: float = 0.0     # the same on the logits
     windows: tuple[int, ...] = ()  # per layer: attend to the last W positions (0: all); (): no layer has a window
     local_rope: tuple[bool, ...] = ()  # per layer: rotates by the local rope tables (Gemma 3's sliding layers)
+    qk_norm_whole: bool = False    # the q/k norm over the whole projection, not per head (OLMoE)
+    residual_scale: float = 1.0    # each block's output times this before its residual add (Granite)
+    logits_scale: float = 1.0      # the logits divided by this (Granite)
+    sparse_layers: tuple[bool, ...] = ()   # per layer: routed experts in place of the MLP; (): none
+    num_experts: int = 0
+    top_k: int = 0                 # experts per token
+    expert_size: int = 0           # each expert's intermediate size
+    norm_topk_prob: bool = True    # the top-k routing weights renormalised to sum to 1
 
 
 def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str]) -> ModelArgs:
@@ -53,6 +63,11 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layer = "model.layers.0."
     windows = layer_windows(config, arch)
+    L, E = config.num_hidden_layers, getattr(config, arch.experts_key, 0) if arch.experts_key else 0
+    sparse = tuple(bool(E) and not (arch.sparse_step and (i in (config.mlp_only_layers or [])
+                                                         or (i + 1) % config.decoder_sparse_step)) for i in range(L))
+    norm_topk = arch.norm_topk_prob if isinstance(arch.norm_topk_prob, bool) else getattr(config, arch.norm_topk_prob)
+    multipliers = arch.multipliers
     return ModelArgs(
         architecture=arch.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
@@ -63,20 +78,27 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
         o_bias=layer + "self_attn.o_proj.bias" in weights,
         mlp_bias=layer + "mlp.gate_proj.bias" in weights or layer + "mlp.gate_up_proj.bias" in weights,
         act=getattr(config, arch.act_key, "silu"), qk_norm=arch.qk_norm, sandwich_norms=arch.sandwich_norms,
-        embed_scale=config.hidden_size ** 0.5 if arch.embed_scale else 1.0,
-        attn_scale=getattr(config, arch.query_scale_key) ** -0.5 if arch.query_scale_key else 0.0,
+        embed_scale=config.hidden_size ** 0.5 if arch.embed_scale else
+        config.embedding_multiplier if multipliers else 1.0,
+        attn_scale=getattr(config, arch.query_scale_key) ** -0.5 if arch.query_scale_key else
+        config.attention_multiplier if multipliers else 0.0,
         attn_softcap=arch.softcap and getattr(config, "attn_logit_softcapping", None) or 0.0,
         final_softcap=arch.softcap and getattr(config, "final_logit_softcapping", None) or 0.0,
         windows=windows if any(windows) else (),
         local_rope=tuple(t == "sliding_attention" for t in config.layer_types[:config.num_hidden_layers])
         if arch.local_rope else (),
+        qk_norm_whole=arch.qk_norm_whole, residual_scale=config.residual_multiplier if multipliers else 1.0,
+        logits_scale=config.logits_scaling if multipliers else 1.0, sparse_layers=sparse if any(sparse) else (),
+        num_experts=E, top_k=config.num_experts_per_tok if E else 0,
+        expert_size=getattr(config, arch.moe_size_key) if E else 0, norm_topk_prob=bool(norm_topk),
     )
 
 
 def plain_layers(a: ModelArgs) -> ModelArgs:
     """`a`'s sizes and biases with the Llama layer's options (what a drafter's own layers are)."""
     return replace(a, act="silu", qk_norm=False, sandwich_norms=False, embed_scale=1.0, attn_scale=0.0,
-                   attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=())
+                   attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=(), qk_norm_whole=False,
+                   residual_scale=1.0, logits_scale=1.0, sparse_layers=(), num_experts=0, top_k=0, expert_size=0)
 
 
 # the MLP activations by their transformers names (architectures.ACTIVATIONS lists them)
@@ -117,17 +139,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
-        if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        if a.qk_norm:   # per head, or over the whole projection (OLMoE)
+            self.q_norm = RMSNorm(a.head_dim * (a.num_heads if a.qk_norm_whole else 1), a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim * (a.num_kv_heads if a.qk_norm_whole else 1), a.rms_norm_eps)
 
     def forward(self, x, cos, sin, past_len, tree_mask, k_cache, v_cache):
         B, S, _ = x.shape
         a = self.a
-        q = self.q_proj(x).view(B, S, a.num_heads, a.head_dim)                     # (B, S, H, D)
-        k = self.k_proj(x).view(B, S, a.num_kv_heads, a.head_dim)                  # (B, S, Hkv, D)
+        q, k = self.q_proj(x), self.k_proj(x)                                      # (B, S, H*D), (B, S, Hkv*D)
+        if a.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, a.num_heads, a.head_dim)                                  # (B, S, H, D)
+        k = k.view(B, S, a.num_kv_heads, a.head_dim)                               # (B, S, Hkv, D)
         v = self.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        if a.qk_norm:
+        if a.qk_norm and not a.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q.transpose(1, 2), cos, sin)                                      # (B, H, S, D)
         k = rope(k.transpose(1, 2), cos, sin)                                      # (B, Hkv, S, D)
@@ -137,12 +162,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, size: int = 0):
         super().__init__()
         self.act = ACTIVATIONS[a.act]
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        size = size or a.intermediate_size
+        self.gate_proj = nn.Linear(a.hidden_size, size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -151,9 +177,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
-        self.sandwich = a.sandwich_norms
+        self.sandwich, self.residual_scale = a.sandwich_norms, a.residual_scale
         self.self_attn = Attention(a, a.windows[index] if a.windows else 0)
-        self.mlp = MLP(a)
+        if a.sparse_layers and a.sparse_layers[index]:
+            self.mlp = SparseMoE(a.hidden_size, a.num_experts, a.top_k, a.norm_topk_prob,
+                                 lambda: MLP(a, a.expert_size))
+        else:
+            self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.sandwich_norms:
@@ -163,8 +193,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, past_len, tree_mask, k_cache, v_cache):
         h, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, k_cache, v_cache)
         if not self.sandwich:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), k, v
+            r = self.residual_scale   # Granite's residual multiplier; 1: none
+            x = x + (h if r == 1.0 else h * r)
+            y = self.mlp(self.post_attention_layernorm(x))
+            return x + (y if r == 1.0 else y * r), k, v
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
 
@@ -214,6 +246,8 @@ class SpecModel(nn.Module):
         logits = self.lm_head(hidden.index_select(1, last))              # (B, num_logits, K)
         if self.args.final_softcap:
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        if self.args.logits_scale != 1.0:
+            logits = logits / self.args.logits_scale
         if self.vocab_index is not None:
             logits = full_vocab(logits, self.vocab_index, self.args.vocab_size)  # (B, num_logits, V)
         if self.aux_layers:
@@ -256,6 +290,8 @@ def hf_weights(state: dict, arch: Architecture, a: ModelArgs) -> dict:
                 state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})
     if arch.norm_offset:
         state = {k: v + arch.norm_offset if k.endswith("norm.weight") else v for k, v in state.items()}
+    if arch.experts_key:   # the stacked expert tensors as each expert's own weights
+        state = split_experts(state, arch.moe_block, arch.router)
     return state
 
 

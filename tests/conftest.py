@@ -31,6 +31,13 @@ ARCH_TESTS = {
                         layer_types=["sliding_attention", "full_attention"]),   # local rope on layer 0
     "phi3": dict(sliding_window=WINDOW, partial_rotary_factor=0.5, original_max_position_embeddings=64,
                  rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.7], long_factor=[3.0, 9.0])),
+    # mixtures of experts: 4 experts, 2 a token (export/moe.py)
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+                      mlp_only_layers=[0]),                      # layer 0 a dense MLP; weights not renormalised
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),   # q/k norms over the projection
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                       attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=0.5),
 }
 
 

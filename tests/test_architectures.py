@@ -83,9 +83,10 @@ def save_config(tmp_path, config):
 
 
 @pytest.mark.parametrize("name,kw,match", [
-    ("MixtralConfig", dict(num_local_experts=4), r"'mixtral' model \(a mixture of experts, num_experts = 4"),
-    ("Qwen3MoeConfig", dict(num_experts=4), r"'qwen3_moe' model \(a mixture of experts, num_experts = 4"),
-    ("GPT2Config", dict(), r"'gpt2' model; supported architectures: gemma2, gemma3_text, llama, mistral, phi3"),
+    ("Qwen2MoeConfig", dict(num_experts=4), r"'qwen2_moe' model \(a mixture of experts, num_experts = 4, shared "
+                                            r"experts, shared_expert_intermediate_size = 5632: not implemented"),
+    ("GPT2Config", dict(), r"'gpt2' model; supported architectures: gemma2, gemma3_text, granitemoe, llama, mistral, "
+                           r"mixtral, olmoe, phi3, qwen2, qwen3, qwen3_moe"),
 ])
 def test_unregistered_architectures_are_refused_by_name(tmp_path, name, kw, match):
     import transformers
@@ -99,6 +100,9 @@ def test_unregistered_architectures_are_refused_by_name(tmp_path, name, kw, matc
     ("llama", dict(hidden_act="relu"), r"MLP activation 'relu' \(hidden_act\) is not implemented"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention .* not implemented"),
     ("qwen3", dict(layer_types=["full_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
+    ("olmoe", dict(clip_qkv=8.0), r"clip_qkv = 8.0 \(q/k/v clipped\) is not implemented"),
+    ("qwen3_moe", dict(shared_expert_intermediate_size=16),
+     r"'qwen3_moe' model with shared experts \(shared_expert_intermediate_size = 16\): not implemented"),
 ])
 def test_what_the_graph_does_not_implement_is_refused(tmp_path, arch, kw, match):
     config = tiny_config(arch)

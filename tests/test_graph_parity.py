@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specrt.export.architectures import REGISTRY
+from specrt.export.model import from_hf
 from specrt.decoding.generate import Generator
 
 TOL = 1e-4
@@ -90,8 +91,10 @@ def test_tiny_engines_are_fused(tiny_engines, arch):
     # norm (after the embedding) has no residual add, the final one has; norms on q and k per head (Qwen3,
     # Gemma 3) and on the attention's and the MLP's outputs (Gemma) have none
     norms = 1 + 2 * layers * arch.qk_norm + 2 * layers * arch.sandwich_norms
+    a = from_hf(model, 8).args
+    mlps = sum(a.num_experts if sparse else 1 for sparse in a.sparse_layers or [False] * layers)   # each expert's
     assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": norms, "skip_norm": 2 * layers,
-                               "projections": 5 * layers}   # q/k/v and gate/up merged
+                               "projections": 3 * layers + 2 * mlps}   # q/k/v and gate/up merged
 
 
 @pytest.mark.parametrize("arch", sorted(REGISTRY))

@@ -1,0 +1,62 @@
+"""The routed block of a mixture of experts (Qwen3-MoE, Mixtral, OLMoE, Granite MoE), written once.
+
+A router (`gate`, [E, d]) scores each token's E experts; each token takes its top k by softmax probability (the k
+weights renormalised to sum to 1 where the architecture says so) and the output is the weighted sum of those k
+experts' MLPs. The graph computes only what was chosen: for each expert, the rows routed to it (NonZero), gathered,
+its MLP on them, scattered back weighted (an Add into the output at those rows). An expert that no token of the
+pass chose runs on 0 rows; a pass over S tokens runs at most S * k expert rows, never a dense pass over all E.
+
+Each expert's weights are parameters of their own (`experts.{e}.gate_proj` ...): the traced graph reads them
+directly, where indexing transformers' stacked [E, 2I, d] tensor in forward would be folded into copies.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 expert: Callable[[], nn.Module]):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(expert() for _ in range(num_experts))
+
+    def forward(self, x):                                               # (B, S, d)
+        h = x.reshape(-1, x.shape[-1])                                  # (N, d), N = B * S
+        probs = torch.softmax(self.gate(h), dim=-1)                     # (N, E)
+        weights, chosen = probs.topk(self.top_k, dim=-1)                # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows, slots = torch.nonzero(chosen == e, as_tuple=True)     # (n_e,): the tokens that chose e, 0 if none
+            y = expert(h.index_select(0, rows)) * weights[rows, slots].unsqueeze(-1)   # (n_e, d)
+            out = out.index_add(0, rows, y)
+        return out.view_as(x)                                           # (B, S, d)
+
+
+def split_experts(state: dict, block: str, router: str) -> dict:
+    """transformers' MoE weights, per layer `{block}.{router}.weight` and the stacked `{block}.experts.gate_up_proj`
+    [E, 2I, d] and `down_proj` [E, d, I], as `mlp.gate.weight` and `mlp.experts.{e}.{gate,up,down}_proj.weight`
+    (views: no copy)."""
+    out = {}
+    for key, value in state.items():
+        prefix, dot, name = key.partition(f".{block}.")
+        if not dot or not key.startswith("model.layers."):
+            out[key] = value
+        elif name == f"{router}.weight":
+            out[f"{prefix}.mlp.gate.weight"] = value
+        elif name == "experts.gate_up_proj":
+            for e, (gate, up) in enumerate(w.chunk(2, dim=0) for w in value.unbind(0)):   # (I, d) each
+                out[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = up
+        elif name == "experts.down_proj":
+            for e, down in enumerate(value.unbind(0)):                                     # (d, I)
+                out[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = down
+        else:
+            out[key] = value
+    return out
