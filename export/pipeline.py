@@ -15,7 +15,8 @@ from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_prop
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.mtp import export_mtp, find_mtp, load_mtp
-from specrt.export.sources import load_source
+from specrt.export.sources import VOCAB_FILE, load_source
+from specrt.decoding import vocab_map
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, read_manifest, sha256_file, write_manifest
 from specrt.files import StagingDir
 
@@ -74,6 +75,29 @@ def _check_memory(target: str, draft: str | None, dtype: str, limit: float | Non
     memory.check(f"exporting {source}", memory.export_need(params, dtype),
                  f"{params / 1e9:.2f} B parameters, {params * memory.BYTES[dtype] / memory.GB:.1f} GB in {dtype}",
                  limit, smaller or "Use a machine with more memory")
+
+
+def _vocab_map(target_tokenizer, src, target_vocab: int, target: str, log=print) -> dict | None:
+    """None where the draft shares the target's vocabulary (same size, and the same tokens where both have a
+    tokenizer); else the map of a drafter of another vocabulary (specrt.decoding.vocab_map)."""
+    draft_vocab = src.model.config.vocab_size
+    tokenizers = target_tokenizer is not None and src.tokenizer is not None
+    if draft_vocab == target_vocab and (not tokenizers or target_tokenizer.get_vocab() == src.tokenizer.get_vocab()):
+        return None
+    if not tokenizers:
+        missing = "the target" if target_tokenizer is None else f"the draft {src.name!r}"
+        raise ManifestError(f"draft {src.name!r} has vocab size {draft_vocab}, target {target!r} has {target_vocab}, "
+                            f"and {missing} has no tokenizer: a draft of another vocabulary is mapped through both "
+                            "tokenizers. Add its tokenizer.json, or use a draft of the target's vocabulary")
+    if src.vocab_subset:
+        raise InputError(f"draft {src.name!r} keeps {len(src.vocab_subset)} output ids ({VOCAB_FILE}) and has "
+                         f"another vocabulary than the target's: delete {VOCAB_FILE} to keep all its ids")
+    mapped = vocab_map.build(target_tokenizer, src.tokenizer, target_vocab, draft_vocab)
+    shared, expand = len(mapped["shared"]["draft"]), mapped["expand"]
+    log(f"the draft's vocabulary ({draft_vocab}) is not the target's ({target_vocab}): it drafts the {shared} tokens "
+        f"whose bytes are one target token ({shared / target_vocab:.1%} of the target's); a target token reads as "
+        f"{len(expand['ids']) / target_vocab:.2f} draft tokens on average")
+    return mapped
 
 
 def check_acceptance(target, propose, prompts: list[list[int]], src, what: str, causes: str, log=print) -> dict:
@@ -139,12 +163,12 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 continue
             log(f"loading {role} {source}")
             src = load_source(source, DTYPES[dtype])
-            if role == "draft" and models["target"]["vocab_size"] != src.model.config.vocab_size:
-                raise ManifestError(f"draft {source!r} has vocab size {src.model.config.vocab_size}, target "
-                                    f"{target!r} has {models['target']['vocab_size']}: a draft must share the "
-                                    "target's vocabulary")
+            mapped = _vocab_map(tokenizer, src, models["target"]["vocab_size"], target, log) \
+                if role == "draft" else None
             tokenizer = tokenizer or src.tokenizer
-            model = from_hf(src.model, _max_len(src.model, max_seq_len, log), src.vocab_subset)
+            # a draft of another vocabulary may read a text as more tokens than the target: room for twice as many
+            length = max_seq_len * (1 if mapped is None else 2)
+            model = from_hf(src.model, _max_len(src.model, length, log), src.vocab_subset)
             src.model = None   # the graph's model holds the weights now (the same tensors)
             prompts = acceptance.prompt_ids(src.tokenizer, model.args.vocab_size)
             kept = f", {len(src.vocab_subset)} output ids kept" if src.vocab_subset else ""
@@ -165,6 +189,9 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                     "a missing or wrong d2t, or layer ids read in the other convention: --eagle-layer-ids", log)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
+            if mapped is not None:   # a draft of another vocabulary: its map, checked at load like every file
+                (tmp / vocab_map.FILE).write_text(json.dumps(mapped, separators=(",", ":")) + "\n")
+                models[role]["vocab_map"] = {**file_entry(tmp, vocab_map.FILE), "shared": len(mapped["shared"]["draft"])}
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
                 models[role]["gguf"] = {"path": str(src.gguf_file.resolve()),
                                         "sha256": sha256_file(src.gguf_file)}

@@ -147,12 +147,14 @@ class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
     least the first n−2−s tokens of a row of length n, where s counts the rounds it did not propose in since
     its last proposal (plain target steps, one token each), so a round feeds the last 2+s tokens, then γ−1
-    more."""
+    more. A drafter of another vocabulary (`vocab_map`, see vocab_map.py) reads each target token as the drafter
+    tokens of its bytes, its cache in its own positions (a row's position of target token k: the drafter tokens of
+    the k before it), and drafts target tokens from its logits over the shared ones."""
 
     name = "draft"
 
-    def __init__(self, engine, timer, tree: Tree | None = None):
-        self.engine, self.timer, self.tree = engine, timer, tree
+    def __init__(self, engine, timer, tree: Tree | None = None, vocab_map=None):
+        self.engine, self.timer, self.tree, self.vocab_map = engine, timer, tree, vocab_map
         self.inputs: dict[tuple[int, int], PassInputs] = {}   # the host path's, per shape
         self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -160,8 +162,8 @@ class DraftModelDrafter:
     cache_needs = ()   # its keys and values ride in the prefix cache, but a hit without them prefills them (restore)
 
     def _make_pool(self, run) -> None:
-        if self.pool is None:
-            self.pool = self.engine.new_cache(run.capacity, run.cache_len)
+        if self.pool is None:   # another vocabulary's tokens: up to twice the target's (its graph's max_seq_len)
+            self.pool = self.engine.new_cache(run.capacity, run.cache_len * (1 if self.vocab_map is None else 2))
             self.next_round = run.rounds   # the round whose proposal the cache is ready for
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
@@ -174,7 +176,12 @@ class DraftModelDrafter:
         if start == 0:
             one.truncate(0)
         S = min(S, prompt.shape[1] - 1 - start)
-        if S > 0:
+        if S > 0 and self.vocab_map is not None:
+            tokens = prompt[0, :start + S].tolist()
+            self.past = [self.vocab_map.length(tokens[:start])]
+            if self.past[0] + self.vocab_map.length(tokens[start:]) <= one.length:   # else it never drafts here
+                self._foreign_pass(one, [tokens[start:]])
+        elif S > 0:
             out = self.timer(self.engine, one, prompt[:, start:start + S], (start + _arange(S, dev))[None],
                              chain_mask(1, S, dev), 1)
             one.write(out.new_kv)
@@ -185,7 +192,7 @@ class DraftModelDrafter:
         where they are cached (copied), the rest (blocks that a request of another method cached) prefilled in
         `chunk`s."""
         self._make_pool(run)
-        done = cache.copy(hit, "draft", self.pool.data[:, row], 2)            # (2L, Hkv, Smax, D)
+        done = 0 if self.vocab_map is not None else cache.copy(hit, "draft", self.pool.data[:, row], 2)
         self.pool.row(row).truncate(done)
         for start in range(done, hit.tokens, chunk):
             self._prefill(run, row, prompt, start, min(chunk, hit.tokens - start))
@@ -194,15 +201,21 @@ class DraftModelDrafter:
         """What the prefix cache keeps of a row after its prompt's prefill (m: the prompt's length): its keys and
         values over the prompt but its last token (PrefixCache.store's (tensor, position axis, positions held)).
         Of a `finished` row, nothing: its cache lags the row's tokens by a round (a later hit prefills it)."""
-        return {} if finished else {"draft": (self.pool.data[:, row], 2, m - 1)}   # (2L, Hkv, Smax, D)
+        if finished or self.vocab_map is not None:   # another vocabulary's positions: not the target's blocks
+            return {}
+        return {"draft": (self.pool.data[:, row], 2, m - 1)}                     # (2L, Hkv, Smax, D)
 
     def join(self, run, row: int, copies: int) -> None:
         """The prefilled row to the request's other rows."""
         for c in range(1, copies):
-            self.pool.copy_row(row, row + c, run.rows[row].prompt_len - 1)
+            self.pool.copy_row(row, row + c, self._slots(run.rows[row].prompt_len - 1))
 
     def move(self, src: int, dst: int, count: int) -> None:
-        self.pool.copy_row(src, dst, count)
+        self.pool.copy_row(src, dst, self._slots(count))
+
+    def _slots(self, count: int) -> int:
+        """The cache slots that hold a row's first `count` tokens: a drafter of another vocabulary copies them all."""
+        return count if self.vocab_map is None else self.pool.length
 
     def observe(self, run) -> None:
         pass
@@ -212,9 +225,15 @@ class DraftModelDrafter:
         # a row that joined after the last proposal may be shorter than w: it is fed from its start (one round of
         # poor drafts for it, its cache right again after); w never exceeds the longest row
         w = min(2 + run.rounds - self.next_round, max(run.host_lengths.tolist()))
-        self.next_round = run.rounds + 1
         self.cache = self.pool.prefix(B)
-        if self.cache.host_data is not None and self.tree is None and (run.params.greedy or run.params.plain):
+        if self.vocab_map is not None:   # each row's target tokens from its cache's end, then γ−1 single tokens
+            first = [run.host_tokens[b, max(n - w, 0):n].tolist() for b, n in enumerate(run.host_lengths.tolist())]
+            self.past = [self.vocab_map.length(run.host_tokens[b, :max(n - w, 0)])
+                         for b, n in enumerate(run.host_lengths.tolist())]
+            if max(p + len(self.vocab_map.expand(f)) for p, f in zip(self.past, first)) + gamma > self.cache.length:
+                return Proposal.empty(B, dev)   # past the end of its cache: plain steps from here
+        self.next_round = run.rounds + 1
+        if self.vocab_map is None and self.cache.host_data is not None and self.tree is None and (run.params.greedy or run.params.plain):
             return self._propose_on_host(run, gamma, w)
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
@@ -226,10 +245,13 @@ class DraftModelDrafter:
         grammars = DraftMasks(run)   # constrained rows draft inside their grammars
         try:
             for i in range(gamma):
-                out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
-                self.cache.write(out.new_kv)
-                self.cache.past_len += ids.shape[1]
-                logits = out.logits[:, -1]                                              # (B, V)
+                if self.vocab_map is not None:
+                    logits = self._foreign_pass(self.cache, first if i == 0 else ids.tolist())   # (B, V target)
+                else:
+                    out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
+                    self.cache.write(out.new_kv)
+                    self.cache.past_len += ids.shape[1]
+                    logits = out.logits[:, -1]                                          # (B, V)
                 if grammars:
                     logits = torch.stack([grammars.apply(b, logits[b]) for b in range(B)])
                 if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
@@ -254,6 +276,25 @@ class DraftModelDrafter:
         toks = torch.stack(tokens, 1) if tokens else torch.zeros(B, 0, dtype=torch.int64, device=dev)
         q = torch.stack(qs, 1) if qs else None
         return Proposal(toks, q, torch.ones(B, gamma, dtype=torch.bool, device=dev))
+
+    def _foreign_pass(self, cache, rows: list[list[int]]) -> torch.Tensor:
+        """One pass over each row's target tokens read as drafter tokens, after its drafter positions `self.past`
+        (rows of fewer drafter tokens padded at their end: scratch the next pass overwrites); the target logits
+        (B, V target) at each row's last one."""
+        feeds = [self.vocab_map.expand(r) for r in rows]
+        B, S, dev = len(feeds), max(map(len, feeds)), cache.data.device
+        host = np.zeros((2, B, S), np.int64)                                            # ids, positions
+        for b, f in enumerate(feeds):
+            host[0, b, :len(f)] = f
+            host[1, b] = np.minimum(self.past[b] + np.arange(S), cache.length - 1)
+        ids, pos = torch.from_numpy(host).to(dev)
+        cache.truncate(self.past)
+        out = self.timer(self.engine, cache, ids, pos, chain_mask(B, S, dev), S)
+        cache.write(out.new_kv)
+        self.past = [p + len(f) for p, f in zip(self.past, feeds)]
+        cache.truncate(self.past)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=dev)
+        return self.vocab_map.to_target(out.logits[torch.arange(B, device=dev), last])   # (B, V target)
 
     def _inputs(self, B: int, S: int) -> PassInputs:
         if (B, S) not in self.inputs:

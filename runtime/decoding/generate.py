@@ -24,6 +24,7 @@ from specrt.decoding.prefix_cache import PrefixCache
 from specrt.decoding.processors import Penalties
 from specrt.decoding.sampling import probs, token_logprobs
 from specrt.decoding.tree import DEFAULT_MEDUSA_PATHS, Tree
+from specrt.decoding.vocab_map import VocabMap
 
 from specrt.decoding.batch import Batch, Detokenizer
 from specrt.decoding.datastore import Datastore, tokenizer_identity
@@ -54,6 +55,7 @@ class Generator:
         self._drafters = {role: e for role, e in (("draft", draft), ("medusa", medusa), ("eagle", eagle))
                           if e is not None}
         self._loaders = dict(loaders or {})
+        self.draft_map = None   # a draft model of another vocabulary: its VocabMap
         self.eagle_ids = None   # the vocabulary ids of the EAGLE drafter's logit columns, if only its kept ones
         self.engine_time = 0.0
         self._batch_costs: dict = {}
@@ -99,7 +101,8 @@ class Generator:
         directory = Path(path)
         manifest = read_manifest(directory)
         models = manifest["models"]
-        if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"]:
+        if "draft" in models and models["draft"]["vocab_size"] != models["target"]["vocab_size"] \
+                and "vocab_map" not in models["draft"]:
             raise ManifestError(f"draft vocab size {models['draft']['vocab_size']} differs from target vocab size "
                                 f"{models['target']['vocab_size']}: re-export with a draft over the same tokenizer")
         device = engine_set_device(manifest, directory, device)
@@ -125,6 +128,9 @@ class Generator:
         target = engines.pop("target")()
         gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk,
                   prefix_cache_mb=prefix_cache_mb)
+        if "vocab_map" in models.get("draft", {}):   # a draft of another vocabulary (decoding/vocab_map.py)
+            path = check_file(directory, models["draft"]["vocab_map"], "draft vocabulary map")
+            gen.draft_map = VocabMap.load(path, models["target"]["vocab_size"], models["draft"]["vocab_size"])
         if "output_ids" in models.get("eagle", {}):
             path = check_file(directory, models["eagle"]["output_ids"], "EAGLE output ids")
             gen.eagle_ids = np.array(json.loads(path.read_text())["kept_ids"], dtype=np.int64)
@@ -450,8 +456,9 @@ class Generator:
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
                                 figures=figures, sources=self.retrieval_sources)
         if (tree or tree_choices is not None) and not self.chains_only:
-            return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma))
-        return DraftModelDrafter(self.draft, self._timed)
+            return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma),
+                                     self.draft_map)
+        return DraftModelDrafter(self.draft, self._timed, vocab_map=self.draft_map)
 
     def tree_for(self, method: str, choices=None, depth: int | None = None) -> Tree:
         """The tree a tree method verifies: given choices, else the engine set's calibrated one, else a default."""

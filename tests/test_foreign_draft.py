@@ -1,0 +1,173 @@
+"""A draft model of another vocabulary (token-level intersection, decoding/vocab_map.py), on a tiny pair of our own
+making: a SentencePiece-style target tokenizer (`▁`, byte fallback `<0xNN>`, specials <unk> <s> </s>) and a
+byte-level BPE drafter tokenizer (GPT-2's byte alphabet, specials <|endoftext|> ...), their merges disjoint. The
+drafter is the target's own network read through its tokens: the rows of its embedding and LM head of the tokens
+whose bytes are one target token are the target's rows of that token, the others random. Where the target's text is
+made of shared tokens it drafts as the target (whose LM head gives the others logit 0, less likely); elsewhere it reads the target's tokens spelled in its own (several
+tokens, shifted positions) and guesses poorly."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model
+from greedy_check import assert_same_or_tie
+from test_speculative import chi_square_p, exact_joint
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import SamplingParams
+from specrt.decoding.vocab_map import byte_decoder
+from specrt.errors import ManifestError
+
+SPECIALS_T = ["<unk>", "<s>", "</s>"]
+FALLBACK_T = [0x0A, 0x21, 0x2C, 0x2E, 0x3F, 0xC3, 0xA9, 0x27]   # "\n ! , . ? é '" as <0xNN> tokens
+MERGES_T = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"), ("▁", "a"),
+            ("r", "e"), ("a", "t"), ("▁", "s"), ("e", "n"), ("o", "r"), ("▁", "w"), ("i", "s"), ("▁", "c"),
+            ("e", "s"), ("▁t", "o"), ("▁", "o"), ("i", "t"), ("in", "g"), ("a", "r"), ("▁", "b"), ("l", "l"),
+            ("▁", "i"), ("▁", "m")]
+SPECIALS_D = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES_D = [("n", "g"), ("i", "ng"), ("t", "h"), ("Ġ", "th"), ("Ġth", "e"), ("o", "u"), ("e", "d"), ("l", "e"),
+            ("s", "t"), ("Ġ", "a"), ("Ġ", "s"), ("Ġ", "w"), ("Ġ", "o"), ("Ġ", "i"), ("Ġ", "b"), ("Ġ", "c"),
+            ("o", "w")]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def target_tokenizer():
+    """(tokenizer, each id's bytes or None for a special): 64 tokens, Llama's SentencePiece layout."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    tokens = SPECIALS_T + [f"<0x{b:02X}>" for b in FALLBACK_T] + ["▁", *LETTERS] + [a + b for a, b in MERGES_T]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, MERGES_T, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(SPECIALS_T)
+    spelled = [None] * 3 + [bytes([b]) for b in FALLBACK_T] + [t.replace("▁", " ").encode() for t in tokens[11:]]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"), spelled
+
+
+def draft_tokenizer():
+    """(tokenizer, each id's bytes or None): GPT-2's 256 byte tokens, 3 specials, 17 merges of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = {b: c for c, b in byte_decoder().items()}
+    tokens = [chars[b] for b in range(256)] + SPECIALS_D + [a + b for a, b in MERGES_D]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, MERGES_D))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS_D)
+    spelled = [bytes([b]) for b in range(256)] + [None] * 3 + \
+        [bytes(byte_decoder()[c] for c in t) for t in tokens[259:]]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>"), spelled
+
+
+def shared_pairs(t_bytes, d_bytes) -> list[tuple[int, int]]:
+    """(draft id, target id) of the tokens spelling the same bytes, from the construction above."""
+    where = {b: i for i, b in enumerate(t_bytes) if b is not None}
+    return sorted((d, where[b]) for d, b in enumerate(d_bytes) if b in where)
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    """The tiny pair exported and built through the real pipeline: (generator, target model, tokenizers' bytes)."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    tmp = tmp_path_factory.mktemp("foreign")
+    (t_tok, t_bytes), (d_tok, d_bytes) = target_tokenizer(), draft_tokenizer()
+    target = tiny_model("llama", seed=1, vocab=len(t_bytes), init=0.3)
+    draft = tiny_model("llama", seed=1, vocab=len(d_bytes), init=0.3)
+    with torch.no_grad():   # the target prefers the shared tokens (0 logits elsewhere): mostly drafted as it
+        shared = [t for _, t in shared_pairs(t_bytes, d_bytes)]
+        target.lm_head.weight[[t for t in range(len(t_bytes)) if t not in shared]] = 0.0
+        state = {k: v for k, v in target.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+        draft.load_state_dict(state, strict=False)
+        for d, t in shared_pairs(t_bytes, d_bytes):
+            draft.model.embed_tokens.weight[d] = target.model.embed_tokens.weight[t]
+            draft.lm_head.weight[d] = target.lm_head.weight[t]
+    for model, tok, name in ((target, t_tok, "target"), (draft, d_tok, "draft")):
+        model.save_pretrained(tmp / name)
+        tok.save_pretrained(tmp / name)
+    export_engines(str(tmp / "target"), tmp / "engines", draft=str(tmp / "draft"), max_seq_len=48,
+                   log=lambda *_: None)
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None)
+    return Generator.from_engines(tmp / "engines"), target, t_bytes, d_bytes
+
+
+def test_map_is_the_tokens_bytes(foreign):
+    """The stored map against the construction: the drafter proposes exactly the tokens of the same bytes, and
+    every target token reads as drafter tokens that spell its bytes (a special by its text)."""
+    gen, _, t_bytes, d_bytes = foreign
+    vm = gen.draft_map
+    assert sorted(zip(vm.shared_draft.tolist(), vm.shared_target.tolist())) == shared_pairs(t_bytes, d_bytes)
+    for t, want in enumerate(t_bytes):
+        want = want if want is not None else SPECIALS_T[t].encode()
+        assert b"".join(d_bytes[d] for d in vm.expand([t])) == want, t
+    assert gen.manifest["models"]["draft"]["vocab_map"]["shared"] == len(vm.shared_draft)
+
+
+def prompts(gen):
+    """A prompt of shared tokens (the drafter is the target there) and one of target-only tokens."""
+    tok = gen.tokenizer
+    return [tok.encode("the bow the wing", add_special_tokens=False),
+            tok.encode("later, re-entering!", add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_is_the_targets(foreign, tree):
+    gen, target, *_ = foreign
+    accepted = []
+    for prompt in prompts(gen):
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", gamma=3, tree=tree,
+                           adaptive=False)
+        assert_same_or_tie(out.token_ids[0], ref, prompt, target)
+        accepted.append(out.stats["acceptance_rate"])
+    print(f"greedy acceptance ({'tree' if tree else 'chain'}): {accepted}")
+    assert accepted[0] > 0.3   # the shared text: an off-by-one map drafts the wrong tokens (measured 0.0 then)
+
+
+def test_prompt_lookup_and_a_batch_beside_it(foreign):
+    """ngram on the same engine set, and the draft model over a batch of rows of different lengths."""
+    gen, target, *_ = foreign
+    batch = prompts(gen)
+    refs = [gen.generate(prompt_ids=p, max_new_tokens=12, method="autoregressive").token_ids[0] for p in batch]
+    for method in ("ngram", "draft"):
+        out = gen.generate(prompt_ids=batch, max_new_tokens=12, method=method, gamma=2, adaptive=False)
+        for got, ref, p in zip(out.token_ids, refs, batch):
+            assert_same_or_tie(got, ref, p, target)
+
+
+def test_sampled_is_the_targets_distribution(foreign):
+    gen, target, *_ = foreign
+    prompt = prompts(gen)[0]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=12000, method="draft", gamma=2,
+                       seed=5, adaptive=False, temperature=1.0)
+    assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted and rejected (the residual drawn)
+    p = chi_square_p(np.array(out.token_ids), exact_joint_v(target, prompt))
+    print(f"foreign draft T=1: acceptance {out.stats['acceptance_rate']:.2f}, chi-square p = {p:.4f}")
+    assert p > 1e-3
+
+
+def exact_joint_v(model, prompt):
+    """exact_joint of test_speculative over this target's vocabulary."""
+    import test_speculative
+    V = test_speculative.V
+    test_speculative.V = model.config.vocab_size
+    try:
+        return exact_joint(model, prompt, SamplingParams(temperature=1.0))
+    finally:
+        test_speculative.V = V
+
+
+def test_the_map_is_checked_at_load(foreign, tmp_path):
+    gen, *_ = foreign
+    bad = tmp_path / "engines"
+    shutil.copytree(gen.directory, bad)
+    m = json.loads((bad / "vocab_map.json").read_text())
+    m["shared"]["target"][0] += 1
+    (bad / "vocab_map.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="draft vocabulary map: .*vocab_map.json has sha256"):
+        Generator.from_engines(bad)
