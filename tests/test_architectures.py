@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCH_TESTS, WINDOW, export_tiny, tiny_config, tiny_model
+from conftest import ARCH_TESTS, MATRIX, WINDOW, export_tiny, tiny_config, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt.decoding.generate import Generator
 from specrt.engines.manifest import read_manifest
@@ -30,7 +30,7 @@ def test_the_activations_checked_are_the_ones_implemented():
     assert set(architectures.ACTIVATIONS) == set(model.ACTIVATIONS)
 
 
-@pytest.fixture(scope="module", params=sorted(REGISTRY))
+@pytest.fixture(scope="module", params=MATRIX)
 def arch_set(request, tmp_path_factory):
     """A tiny target of the architecture with a draft of the same architecture: the target with noise on its
     weights, so that drafts are often accepted, not always."""

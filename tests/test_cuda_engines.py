@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from conftest import export_tiny_with_heads, tiny_model
+from conftest import MATRIX, export_tiny_with_heads, tiny_model
 from greedy_check import assert_same_or_tie
 from specrt.engines.base import OrtEngine, OrtHeads, bind_tensor, built_for, cuda_missing, engine_set_device, pick_device
 from specrt.decoding.drafters import chain_mask
@@ -21,7 +21,6 @@ from specrt.export.build import build
 from specrt.decoding.eagle import DynamicTree
 from specrt.decoding.generate import METHODS, Generator
 from specrt.engines.manifest import file_entry, read_manifest, sha256_file, write_manifest
-from specrt.export.architectures import REGISTRY
 from specrt.plugins.tree_attention import DOMAIN, INPUTS, OP_TYPE, attach_function, reference
 from specrt.engines.static import StaticWidthEngine
 from test_tree_attention import random_tree
@@ -142,7 +141,7 @@ def test_width_engine_matches_plain_engine(engine_sets, k, tree):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", sorted(REGISTRY))
+@pytest.mark.parametrize("arch", MATRIX)
 def test_width_engines_of_every_architecture_match_transformers(tiny_engines, tmp_path, arch):
     """Each architecture's CUDA engines (the dynamic graph for the prefill, width graphs for the decode steps and a
     padded tree) against transformers, past the window where the test model has one (conftest.ARCH_TESTS)."""

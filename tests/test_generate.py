@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from greedy_check import assert_greedy_under, assert_same_or_tie
-from conftest import load_prompts
+from conftest import MATRIX, load_prompts
 from specrt.errors import InputError
-from specrt.export.architectures import REGISTRY
 from specrt.decoding.generate import Generator
 
 
@@ -22,7 +21,7 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", sorted(REGISTRY))
+@pytest.mark.parametrize("arch", MATRIX)
 def test_tiny_greedy_matches_transformers(tiny_engines, arch):
     """40 new tokens after prompts of 5-8: past the window (conftest.WINDOW) of the architectures that have one."""
     directory, model = tiny_engines[arch]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import export_tiny_with_drafters
+from conftest import MATRIX, export_tiny_with_drafters
 from greedy_check import assert_same_or_tie
 from specrt.errors import InputError
-from specrt.export.architectures import REGISTRY
 from specrt.decoding.generate import Generator
 
 TOL = 1e-4
@@ -42,7 +41,7 @@ def pass_widths(monkeypatch, engine) -> list[int]:
     return widths
 
 
-@pytest.mark.parametrize("arch", sorted(REGISTRY))
+@pytest.mark.parametrize("arch", MATRIX)
 @pytest.mark.parametrize("length", [LONG, SHORT])
 def test_chunks_give_one_pass_logits_cache_and_tokens(tiny_engines, arch, length, monkeypatch):
     directory, model = tiny_engines[arch]
