@@ -5,7 +5,8 @@ Slot t reads the target's feature f_t (its last hidden state at position t, afte
 output of the target graph) and the embedding of token t + 1, fused by a linear layer 2d -> d, and predicts
 the feature at t + 1; the target's own LM head (restricted to the drafter's kept ids, if it has a
 `specrt_vocab.json`) turns it into the distribution of token t + 2. At draft time the drafter reads its own
-predicted features below the first tree level.
+predicted features below the first tree level. A target checkpoint's MTP module (specrt.export.mtp) is this drafter
+with an RMSNorm on each input of `fc` and one before the LM head (`mtp=True`).
 
 Checkpoint directory: `eagle_config.json` (the layers' shape: hidden_size, intermediate_size, num_heads,
 num_kv_heads, head_dim, which must equal the target's, and num_layers, 1 if absent), `eagle.safetensors` (`fc.*`,

@@ -20,6 +20,9 @@ inputs of three of its layers) where EAGLE reads its `hidden`: the history keeps
 the graph's `aux` input (its `features` zero), and a tree level feeds the drafter's own features (its `aux` zero).
 Its logits are over its draft ids, mapped to the target's through the engine set's output ids (d2t).
 
+A target's MTP module (specrt.export.mtp, `--method mtp`) runs here unchanged: its graph has the EAGLE drafter's
+contract, and a tree level feeds it its own `hidden` output (its block's, before its final norm), as MTP is chained.
+
 Prompt lookup's continuation joins the candidates as a chain (see PromptLookup), weighed like them; where the
 target verifies chains only (int8 activations), it takes the place of the drafter's chain in the rows where it
 promises more accepted tokens.
