@@ -103,12 +103,13 @@ def load_mtp(source: str, target: SpecModel) -> tuple[EagleModel, str] | None:
     model = EagleModel(target, mtp=True)
     state["fc.bias"] = torch.zeros(d)   # the projection has none: a zero one computes the same
     mine = {**model.trained_state(), **{k: v for k, v in model.state_dict().items() if k in OPTIONAL}}
-    missing = sorted(set(mine) - set(state) - set(OPTIONAL))
+    missing, unknown = sorted(set(mine) - set(state) - set(OPTIONAL)), sorted(set(state) - set(mine))
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in sorted(set(mine) & set(state))
              if state[k].shape != mine[k].shape]
-    if missing or wrong:
+    if missing or unknown or wrong:   # e.g. a mixture of experts as the block's MLP (DeepSeek-V3's own)
         raise CheckpointError(f"{source}: its MTP module {prefix}* does not fit the target (missing {missing[:4]}, "
-                              f"shapes {wrong[:4]}); the module must be one decoder layer of the target's shape")
+                              f"unexpected {unknown[:4]}, shapes {wrong[:4]}); the module must be one decoder layer "
+                              "of the target's shape")
     model.load_state_dict(state, strict=False)
     return model.eval(), f"{layout} {prefix}"
 

@@ -205,10 +205,17 @@ def test_refusals_name_the_problem(mtp_set, tmp_path):
     gen, model, mtp, _ = mtp_set
     with pytest.raises(InputError, match="MTP module: --method mtp"):
         gen.generate(prompt_ids=[1, 2], max_new_tokens=2, method="eagle")
+    spec = gen.manifest["models"]["eagle"]
+    spec["kind"] = None   # the same engine as an EAGLE drafter's
+    try:
+        with pytest.raises(InputError, match="--method mtp: .* has no MTP module"):
+            gen.generate(prompt_ids=[1, 2], max_new_tokens=2, method="mtp")
+    finally:
+        spec["kind"] = "mtp"
     save_with_mtp(model, mtp, tmp_path / "src")
     from safetensors.torch import load_file, save_file
     state = load_file(str(tmp_path / "src" / "model.safetensors"))
     state["model.layers.2.eh_proj.weight"] = state["model.layers.2.eh_proj.weight"][:, :40].contiguous()
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model.layers.2.\* does not fit.*fc.weight \(32, 40\)"):
+    with pytest.raises(CheckpointError, match=r"model.layers.2.\* does not fit.*shapes.*fc.weight \(32, 40\)"):
         load_mtp(str(tmp_path / "src"), from_hf(model, MAX_LEN))
