@@ -54,8 +54,9 @@ def _stat(path: Path, field: str) -> int:
 
 
 def parameters(source: str) -> int | None:
-    """The parameter count of a checkpoint directory (from its config, no weights read) or of a GGUF file (from
-    its header, which is checked: what specrt does not export is refused by name), None for other sources."""
+    """The parameter count of a checkpoint directory (from its config, no weights read; a mixture of experts counts
+    every expert, since the export writes them all, not the k a token uses) or of a GGUF file (from its header, which
+    is checked: what specrt does not export is refused by name), None for other sources."""
     path = Path(source)
     if source.lower().endswith(".gguf"):
         from specrt.export.gguf_files import check_gguf

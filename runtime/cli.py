@@ -369,7 +369,7 @@ def compare(engines, other, num_prompts, max_new_tokens, device):
 
 @main.command("tune-tree")
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["medusa", "draft", "eagle"]), default="medusa", show_default=True)
+@click.option("--method", type=click.Choice(["medusa", "draft", "eagle", "mtp"]), default="medusa", show_default=True)
 @click.option("--max-nodes", default=48, show_default=True, help="Largest tree considered (nodes below the root).")
 @click.option("--width", default=8, show_default=True, help="Candidates per depth considered.")
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP + " The tree is chosen for it.")
@@ -388,11 +388,11 @@ def tune_tree(engines, method, max_nodes, width, device):
                               "top candidate per depth), so there is no tree to tune; tune on a float32 build")
         prompts = ([gen.encode(p) for p in CALIBRATION_PROMPTS] if gen.tokenizer is not None else
                    [[(7 * i + j) % gen.target.spec["vocab_size"] for j in range(6)] for i in range(6)])
-        if method == "eagle":   # a dynamic tree: its shape (top-k, depth, nodes), recorded in the manifest
+        if method in ("eagle", "mtp"):   # a dynamic tree: its shape (top-k, depth, nodes), recorded in the manifest
             from specrt.decoding.eagle import save_shape, tune
-            shape = tune(gen, prompts, log=_log)
+            shape = tune(gen, prompts, log=_log, method=method)
             save_shape(gen.directory, shape)
-            click.echo(f"saved the EAGLE tree shape {shape} in {gen.directory}")
+            click.echo(f"saved the {method.upper()} tree shape {shape} in {gen.directory}")
             return
         tree = calibrate(gen, method, prompts, max_nodes, width, log=_log)
         click.echo(f"saved {save_tree(gen.directory, method, tree)}")

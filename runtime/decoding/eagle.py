@@ -695,13 +695,14 @@ SHAPES = tuple(DynamicTree(k, d, n) for k, d, n in ((2, 3, 4), (2, 4, 6), (3, 4,
 
 
 def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log=print,
-         patience: int = 2) -> DynamicTree:
+         patience: int = 2, method: str = "eagle") -> DynamicTree:
     """The shape (the envelope of adaptive rounds) with the most tokens per second by the cost model, its trees
     grown in full every round: tokens per round at T = 0 on `prompts`
     (timing-free), over a round's cost measured here: the target's pass over N + 1 tokens (a least-squares line
     through measured passes: single passes jitter by more than a node costs), `depth` drafter passes, and the
     loop's own time per round. The shapes go from small to large; once `patience` shapes in a row fall short of
-    the best, the larger ones are not tried (their cost grows faster than their tokens per round)."""
+    the best, the larger ones are not tried (their cost grows faster than their tokens per round). `method`:
+    "mtp" for a target's MTP module (the same drafter)."""
     from specrt.decoding.calibrate import verify_costs
     measured = verify_costs(gen, [max(s.nodes for s in shapes) + 1])
     slope, intercept = np.polyfit(list(measured), list(measured.values()), 1)
@@ -712,7 +713,7 @@ def tune(gen, prompts: list[list[int]], shapes=SHAPES, new_tokens: int = 48, log
     try:
         for shape in shapes:
             draft.spec["dynamic_tree"] = asdict(shape)
-            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="eagle", adaptive=False).stats
+            outs = [gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method=method, adaptive=False).stats
                     for p in prompts]
             rounds = sum(s["rounds"] for s in outs)
             per_round = sum(s["tokens"] - 1 for s in outs) / max(1, rounds)

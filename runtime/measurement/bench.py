@@ -268,7 +268,7 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
 def _cost_entry(gen) -> dict:
     costs = gen.costs()
     entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
-    if gen.has("eagle"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
+    if gen.has("eagle") or gen.has("mtp"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
         from specrt.decoding.eagle import DynamicTree
         entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step
     return entry
@@ -363,6 +363,9 @@ def _runnable(gen, method: str, notes: list[str]) -> bool:
         return False
     if method == "eagle" and not gen.has("eagle"):
         notes.append(f"eagle skipped: {gen.directory} has no EAGLE drafter (export with --eagle PATH)")
+        return False
+    if method == "mtp" and not gen.has("mtp"):
+        notes.append(f"mtp skipped: {gen.directory} has no MTP module (its target checkpoint ships none)")
         return False
     return True
 

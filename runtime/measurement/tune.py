@@ -108,9 +108,9 @@ def _busy_warning(log) -> None:
 def _trees(gen: Generator, prompts: list[list[int]], log) -> None:
     """The tree shapes as tune-tree chooses them (on fewer tokens: the whole tuning takes about a minute on 2
     cores), recorded in the manifest and in the generator's copy of it."""
-    if gen.has("eagle"):
+    if gen.has("eagle") or gen.has("mtp"):
         from specrt.decoding.eagle import save_shape, tune as tune_shape
-        shape = tune_shape(gen, prompts, new_tokens=24, log=log)
+        shape = tune_shape(gen, prompts, new_tokens=24, log=log, method="eagle" if gen.has("eagle") else "mtp")
         save_shape(gen.directory, shape)
         gen.manifest["models"]["eagle"]["dynamic_tree"] = asdict(shape)
         log(f"EAGLE tree shape {shape}")
