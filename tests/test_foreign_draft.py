@@ -7,6 +7,7 @@ made of shared tokens it drafts as the target (whose LM head gives the others lo
 tokens, shifted positions) and guesses poorly."""
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
@@ -90,22 +91,44 @@ def foreign(tmp_path_factory):
     for model, tok, name in ((target, t_tok, "target"), (draft, d_tok, "draft")):
         model.save_pretrained(tmp / name)
         tok.save_pretrained(tmp / name)
-    export_engines(str(tmp / "target"), tmp / "engines", draft=str(tmp / "draft"), max_seq_len=48,
+    export_engines(str(tmp / "target"), tmp / "engines", draft=str(tmp / "draft"), max_seq_len=160,
                    log=lambda *_: None)
-    build(tmp / "engines", "onnxruntime", log=lambda *_: None)
-    return Generator.from_engines(tmp / "engines"), target, t_bytes, d_bytes
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    return Generator.from_engines(tmp / "engines"), target, t_bytes, d_bytes, draft
 
 
 def test_map_is_the_tokens_bytes(foreign):
     """The stored map against the construction: the drafter proposes exactly the tokens of the same bytes, and
     every target token reads as drafter tokens that spell its bytes (a special by its text)."""
-    gen, _, t_bytes, d_bytes = foreign
+    gen, _, t_bytes, d_bytes, _ = foreign
     vm = gen.draft_map
     assert sorted(zip(vm.shared_draft.tolist(), vm.shared_target.tolist())) == shared_pairs(t_bytes, d_bytes)
     for t, want in enumerate(t_bytes):
         want = want if want is not None else SPECIALS_T[t].encode()
         assert b"".join(d_bytes[d] for d in vm.expand([t])) == want, t
     assert gen.manifest["models"]["draft"]["vocab_map"]["shared"] == len(vm.shared_draft)
+
+
+def test_a_pass_reads_each_row_in_drafter_tokens(foreign):
+    """The drafter's pass over two rows whose target tokens read as different numbers of drafter tokens (the shorter
+    row padded), then one token each from where each row ended: each row's target logits are those transformers'
+    drafter gives at the row's last drafter token, over the shared tokens (-inf elsewhere)."""
+    from specrt.decoding.drafters import DraftModelDrafter
+    gen, *_, draft = foreign
+    vm, tok = gen.draft_map, gen.tokenizer
+    rows = [tok.encode("the wing", add_special_tokens=False), tok.encode("later, re-entering", add_special_tokens=False)]
+    drafter = DraftModelDrafter(gen.draft, gen._timed, vocab_map=vm)
+    cache = gen.draft.new_cache(2, 64)
+    drafter.past = [0, 0]
+    for step in (rows, [[40], [58]]):
+        got = drafter._foreign_pass(cache, step)                                       # (2, V target)
+        for b, r in enumerate(rows):
+            r += step[b] if step is not rows else []
+            with torch.no_grad():
+                want = vm.to_target(draft(torch.from_numpy(vm.expand(r))[None]).logits[:, -1])
+            assert torch.equal(torch.isinf(got[b]), torch.isinf(want[0]))
+            torch.testing.assert_close(got[b][~torch.isinf(got[b])], want[0][~torch.isinf(want[0])], atol=1e-4,
+                                       rtol=1e-4)
 
 
 def prompts(gen):
@@ -144,11 +167,15 @@ def test_sampled_is_the_targets_distribution(foreign):
     gen, target, *_ = foreign
     prompt = prompts(gen)[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=12000, method="draft", gamma=2,
-                       seed=5, adaptive=False, temperature=1.0)
+                       seed=5, adaptive=False, temperature=1.0, **STREAM)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted and rejected (the residual drawn)
     p = chi_square_p(np.array(out.token_ids), exact_joint_v(target, prompt))
     print(f"foreign draft T=1: acceptance {out.stats['acceptance_rate']:.2f}, chi-square p = {p:.4f}")
     assert p > 1e-3
+
+
+# the seed starts the rejection rule's random stream (where generate has per-position seeding, its default)
+STREAM = {"seeding": "stream"} if "seeding" in inspect.signature(Generator.generate).parameters else {}
 
 
 def exact_joint_v(model, prompt):
@@ -171,3 +198,14 @@ def test_the_map_is_checked_at_load(foreign, tmp_path):
     (bad / "vocab_map.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="draft vocabulary map: .*vocab_map.json has sha256"):
         Generator.from_engines(bad)
+
+
+def test_verify_command(foreign):
+    """`specrt verify` on the engine set: greedy identity on its prompts and the sampled check, PASS."""
+    from click.testing import CliRunner
+    from specrt.cli import main
+    gen, *_ = foreign
+    out = CliRunner().invoke(main, ["verify", str(gen.directory), "--method", "draft", "--prompts", "1",
+                                    "--max-new-tokens", "8", "--samples", "1500", "--temperature", "1.0"])
+    assert out.exit_code == 0, out.output
+    assert "p = " in out.output and out.output.strip().endswith("PASS")
