@@ -79,7 +79,7 @@ def main():
 def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check,
            no_acceptance_check):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest. An MTP
-    module in the target checkpoint's safetensors (DeepSeek-V3, GLM-4.5, MiMo layouts) becomes its drafter: --method mtp."""
+    module in the target checkpoint's safetensors (DeepSeek-V3, GLM-4.5, MiMo) becomes its drafter: --method mtp."""
     from specrt.export.pipeline import export_engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the staging directory is removed
     try:
