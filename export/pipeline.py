@@ -191,7 +191,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if mapped is not None:   # a draft of another vocabulary: its map, checked at load like every file
                 (tmp / vocab_map.FILE).write_text(json.dumps(mapped, separators=(",", ":")) + "\n")
-                models[role]["vocab_map"] = {**file_entry(tmp, vocab_map.FILE), "shared": len(mapped["shared"]["draft"])}
+                models[role]["vocab_map"] = {**file_entry(tmp, vocab_map.FILE),
+                                             "shared": len(mapped["shared"]["draft"])}
             if src.gguf_file is not None and dtype == "float32":   # `--target-weights int4` reuses the file's blocks
                 models[role]["gguf"] = {"path": str(src.gguf_file.resolve()),
                                         "sha256": sha256_file(src.gguf_file)}

@@ -2,9 +2,10 @@
 making: a SentencePiece-style target tokenizer (`▁`, byte fallback `<0xNN>`, specials <unk> <s> </s>) and a
 byte-level BPE drafter tokenizer (GPT-2's byte alphabet, specials <|endoftext|> ...), their merges disjoint. The
 drafter is the target's own network read through its tokens: the rows of its embedding and LM head of the tokens
-whose bytes are one target token are the target's rows of that token, the others random. Where the target's text is
-made of shared tokens it drafts as the target (whose LM head gives the others logit 0, less likely); elsewhere it reads the target's tokens spelled in its own (several
-tokens, shifted positions) and guesses poorly."""
+whose bytes are one target token are the target's rows of that token, the others random; the target's LM head gives
+the tokens it does not share logit 0 (less likely). Where the target's text is made of shared tokens it drafts as the
+target; elsewhere it reads the target's tokens spelled in its own (several tokens, shifted positions) and guesses
+poorly."""
 from __future__ import annotations
 
 import inspect
@@ -116,7 +117,7 @@ def test_a_pass_reads_each_row_in_drafter_tokens(foreign):
     from specrt.decoding.drafters import DraftModelDrafter
     gen, *_, draft = foreign
     vm, tok = gen.draft_map, gen.tokenizer
-    rows = [tok.encode("the wing", add_special_tokens=False), tok.encode("later, re-entering", add_special_tokens=False)]
+    rows = [tok.encode(text, add_special_tokens=False) for text in ("the wing", "later, re-entering")]
     drafter = DraftModelDrafter(gen.draft, gen._timed, vocab_map=vm)
     cache = gen.draft.new_cache(2, 64)
     drafter.past = [0, 0]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specrt.errors import InputError
 from specrt.engines.manifest import file_entry, read_manifest, write_manifest
 from specrt.decoding.tree import Tree
 
@@ -31,6 +32,10 @@ def _hidden_and_truth(gen, ids: list[int], new_tokens: int):
 
 def rank_accuracy(gen, method: str, prompts: list[list[int]], depth: int, width: int, new_tokens: int = 48):
     """acc[d, r]: how often the rank-r candidate at depth d+1 is the target's (greedy) token there."""
+    if method == "draft" and gen.draft_map is not None:
+        raise InputError("tune-tree --method draft: the engine set's draft has another vocabulary (it reads the "
+                         "target's tokens through its vocabulary map, which rank accuracy does not); use its default "
+                         "tree or --tree-choices")
     hits = np.zeros((depth, width))
     total = np.zeros(depth)
     for ids in prompts:

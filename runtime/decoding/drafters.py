@@ -233,7 +233,8 @@ class DraftModelDrafter:
             if max(p + len(self.vocab_map.expand(f)) for p, f in zip(self.past, first)) + gamma > self.cache.length:
                 return Proposal.empty(B, dev)   # past the end of its cache: plain steps from here
         self.next_round = run.rounds + 1
-        if self.vocab_map is None and self.cache.host_data is not None and self.tree is None and (run.params.greedy or run.params.plain):
+        on_host = self.vocab_map is None and self.cache.host_data is not None and self.tree is None
+        if on_host and (run.params.greedy or run.params.plain):
             return self._propose_on_host(run, gamma, w)
         start = (run.lengths - w).clamp(min=0)
         self.cache.truncate(start)
