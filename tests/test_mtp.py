@@ -129,6 +129,7 @@ def test_export_finds_the_module(mtp_set):
     spec = gen.manifest["models"]["eagle"]
     assert spec["kind"] == "mtp" and spec["layout"] == "deepseek model.layers.2."
     assert gen.has("mtp") and not gen.has("eagle")
+    assert gen.method_for("auto", greedy=True) == ("mtp", "rule")   # no tuning for this machine: the rule's choice
     assert any("MTP module" in line for line in logs)
 
 
