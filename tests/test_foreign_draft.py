@@ -164,14 +164,16 @@ def test_prompt_lookup_and_a_batch_beside_it(foreign):
             assert_same_or_tie(got, ref, p, target)
 
 
-def test_sampled_is_the_targets_distribution(foreign):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampled_is_the_targets_distribution(foreign, tree):
     gen, target, *_ = foreign
     prompt = prompts(gen)[0]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=12000, method="draft", gamma=2,
-                       seed=5, adaptive=False, temperature=1.0, **STREAM)
+                       seed=5, adaptive=False, temperature=1.0, tree=tree, **STREAM)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted and rejected (the residual drawn)
     p = chi_square_p(np.array(out.token_ids), exact_joint_v(target, prompt))
-    print(f"foreign draft T=1: acceptance {out.stats['acceptance_rate']:.2f}, chi-square p = {p:.4f}")
+    print(f"foreign draft T=1 ({'tree' if tree else 'chain'}): acceptance {out.stats['acceptance_rate']:.2f}, "
+          f"chi-square p = {p:.4f}")
     assert p > 1e-3
 
 
