@@ -546,7 +546,7 @@ def test_sized_trees_keep_the_target_output(eagle_pair, monkeypatch, costs):
     assert len(sizes) > 1 and (len(depths) > 1 or costs == "steep")
     prompt, shapes[:] = [5, 1, 7], []
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="eagle", seed=7,
-                       temperature=1.0)
+                       temperature=1.0, seeding="stream")
     print(costs, "T = 1 trees", [(len(p), max(map(len, p))) for p in shapes])
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(temperature=1.0)))
     print(f"eagle sized trees ({costs}): chi-square p = {p:.4f}")
@@ -588,7 +588,8 @@ def test_device_path_reads_nothing_back(eagle_pair, monkeypatch):
     reads, calls = [], []
     for owner, name in ((EagleDrafter, "_catch_up"), (eagle.PromptLookup, "update"), (verification, "tree_sampled")):
         monkeypatch.setattr(owner, name, counted(name, getattr(owner, name), reads, calls))
-    batch = gen.batch(2, method="eagle", adaptive=False, temperature=0.9, top_p=0.95, seed=1)
+    batch = gen.batch(2, method="eagle", adaptive=False, temperature=0.9, top_p=0.95, seed=1,
+                      seeding="stream")
     batch.add([5, 2, 8], 3, owner="first")
     batch.add([3, 9, 1, 4, 1, 3, 9, 1], 14, owner="second")
     moved = False

@@ -131,7 +131,7 @@ def test_sampled_with_penalties_is_the_processed_target(tiny, method, temperatur
     shape = dict(gamma=2) if method == "draft" else dict(tree_choices=Tree.from_paths([[0], [1], [2], [0, 0],
                                                                                         [0, 1], [1, 0]]))
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=11,
-                       adaptive=False, temperature=temperature, min_p=0.02, **shape, **SAMPLED)
+                       seeding="stream", adaptive=False, temperature=temperature, min_p=0.02, **shape, **SAMPLED)
     assert 0 < out.stats["acceptance_rate"] < 0.95   # drafts accepted, and rejections (the residual) too
     joint = exact_processed_joint(model, prompt, params, SAMPLED)
     raw = exact_processed_joint(model, prompt, params, {}).sum((1, 2))
@@ -148,7 +148,7 @@ def test_unprocessed_verification_is_caught(tiny, monkeypatch):
     monkeypatch.setattr(Generator, "_processed", staticmethod(lambda run, logits, *a, **k: logits))
     prompt, params = [5, 1, 7], SamplingParams(temperature=1.0)
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="draft", seed=11,
-                       adaptive=False, temperature=1.0, **SAMPLED)
+                       seeding="stream", adaptive=False, temperature=1.0, **SAMPLED)
     p = chi_square_p(out.token_ids, exact_processed_joint(model, prompt, params, SAMPLED))
     print(f"unprocessed verification: chi-square p = {p:.2e}")
     assert p < P_MIN

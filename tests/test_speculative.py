@@ -153,7 +153,7 @@ CASES = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top
 
 def sample_first3(gen, prompt, method, gamma, seed, **kw):
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method,
-                       gamma=gamma, seed=seed, adaptive=False, **kw)
+                       gamma=gamma, seed=seed, adaptive=False, seeding="stream", **kw)
     assert all(len(t) == 3 for t in out.token_ids)
     return out
 

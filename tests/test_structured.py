@@ -206,7 +206,7 @@ def test_sampled_under_a_grammar_is_the_masked_target(tiny, method):
     gen, model, tok, g = tiny
     prompt = tok("ab=cdxba=dcy")["input_ids"]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method=method, seed=13,
-                       adaptive=False, temperature=1.0, grammar=g)
+                       seeding="stream", adaptive=False, temperature=1.0, grammar=g)
     rate = out.stats["acceptance_rate"]
     assert 0 < rate and (rate < 1 or method == "ngram")   # drafts accepted (and the draft model's refused too)
     p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
@@ -268,7 +268,7 @@ def test_sampled_trees_under_a_grammar_are_the_masked_target(tiny):
     gen, model, tok, g = tiny
     prompt = tok("ab=cdxba=dcy")["input_ids"]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa", seed=17,
-                       adaptive=False, temperature=1.0, grammar=g)
+                       seeding="stream", adaptive=False, temperature=1.0, grammar=g)
     assert out.stats["grammar_refused_nodes"] > 0 and 0 < out.stats["acceptance_rate"] < 1, out.stats
     p = chi_square_p(out.token_ids, exact_masked_joint(model, g, prompt, 1.0))
     print(f"Medusa trees under a grammar: chi-square p = {p:.4f}, acceptance {out.stats['acceptance_rate']:.3f}")

@@ -226,7 +226,7 @@ def test_medusa_distribution_is_the_target_distribution(medusa_set, kw):
     gen, model = medusa_set
     prompt = [5, 1, 7]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa",
-                       tree_choices=Tree.from_paths(PATHS), seed=2024, adaptive=False, **kw)
+                       tree_choices=Tree.from_paths(PATHS), seed=2024, adaptive=False, seeding="stream", **kw)
     assert out.stats["acceptance_rate"] > 0.05  # siblings were accepted and rejected
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
     print(f"medusa {kw}: chi-square p = {p:.4f}")
@@ -242,7 +242,7 @@ def test_broken_sibling_rule_is_caught(medusa_set, monkeypatch, kw):
     monkeypatch.setattr(verification, "without_host", lambda R, x: R)
     prompt = [5, 1, 7]
     out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="medusa",
-                       tree_choices=Tree.from_paths(PATHS), seed=2024, adaptive=False, **kw)
+                       tree_choices=Tree.from_paths(PATHS), seed=2024, adaptive=False, seeding="stream", **kw)
     p = chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**kw)))
     print(f"broken sibling rule ({kw}): chi-square p = {p:.2e}")
     assert p < P_MIN

@@ -39,8 +39,8 @@ class Batch:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  gamma: int | None = None, ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
                  tree_choices=None, adaptive: bool = True, acceptance: str = "exact", min_p: float = 0.0,
-                 constrained: bool = False):
-        params = SamplingParams(temperature, top_k, top_p, seed, acceptance, min_p)
+                 constrained: bool = False, seeding: str = "position"):
+        params = SamplingParams(temperature, top_k, top_p, seed, acceptance, min_p, seeding)
         method, self.method_from = gen.method_for(method, params.greedy, constrained)
         # what the last request of this regime measured (acceptance, EAGLE's calibration) seeds this one's policies;
         # typical acceptance accepts more than exact, so its requests keep their own figures, which start from the
@@ -87,15 +87,15 @@ class Batch:
     # ---- rows in and out ----------------------------------------------------------------------------------
     def add(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
             logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
-            rounds: bool = False, partition: str | None = None) -> None:
+            rounds: bool = False, partition: str | None = None, seed: int | None = None) -> None:
         """A request joins now: `join`, then its prefill passes (and those of any request queued before it)."""
-        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar, rounds, partition)
+        self.join(ids, max_new_tokens, owner, copies, logprobs, penalties, grammar, rounds, partition, seed)
         while self.joining:
             self.prefill()
 
     def join(self, ids: list[int], max_new_tokens: int, owner=None, copies: int = 1,
              logprobs: int | None = None, penalties: Penalties | None = None, grammar: Grammar | None = None,
-             rounds: bool = False, partition: str | None = None) -> None:
+             rounds: bool = False, partition: str | None = None, seed: int | None = None) -> None:
         """A request queues to join: its prompt is prefilled in passes of the generator's `prefill_chunk` tokens
         (`prefill`, one pass a call) in a row after the live ones, which no round reads; after the last pass it is
         copied to `copies` rows (the request's sequences), which go live and sample their first token. `owner`:
@@ -103,8 +103,10 @@ class Batch:
         and this many alternatives are kept (`_Row.logprobs`; None: not). `penalties`: its rows' processors of the
         target's logits (processors.py); `grammar`: the grammar its output follows (decoding/grammar.py: each row
         a Matcher of it); `rounds`: its rows keep a Round per round, the first token's included (_Row.round_log);
-        `partition`: the prefix cache's partition it reads and adds to (its tenant; None: the shared one). Bad
-        requests are refused here."""
+        `partition`: the prefix cache's partition it reads and adds to (its tenant; None: the shared one); `seed`:
+        in a seeded batch (one made with a seed, at temperature > 0), its own seed (None: the batch's): its copy i
+        samples by the noise of (seed, i) (sampling.noise), so its tokens do not depend on the method or on its
+        neighbours. Bad requests are refused here."""
         check_logprobs(logprobs)
         if penalties is not None:
             penalties.check_vocab(self.gen.target.spec["vocab_size"])
@@ -114,6 +116,7 @@ class Batch:
         joining.grammar = grammar
         joining.rounds = rounds
         joining.partition = partition
+        joining.seed = seed
         self.joining.append(joining)
 
     @property
@@ -242,10 +245,12 @@ class Batch:
         if j.row != r:   # rows retired while it was prefilled
             self._place()
         V = gen.target.spec["vocab_size"]
+        seed = j.seed if j.seed is not None else run.params.seed
         run.rows += [_Row(o, m, j.max_new, cached=j.cached, logprobs_top=j.logprobs, penalties=j.penalties,
                           context=Context(j.ids) if j.penalties else None,
                           matcher=Matcher(j.grammar, V, run.stop_ids or None) if j.grammar else None,
-                          round_log=[] if j.rounds else None, partition=j.partition) for o in j.owners]
+                          round_log=[] if j.rounds else None, partition=j.partition,
+                          seed_key=(seed, c) if run.params.seeded else None) for c, o in enumerate(j.owners)]
         run.resize(r + copies)
         run.host_lengths[r:], run.active[r:] = m, True
         if run.device.type != "cpu":
@@ -260,7 +265,10 @@ class Batch:
             if j.grammar is not None:
                 processors.mask(logits[0], run.rows[r].matcher.allowed())
         logits = logits.expand(copies, -1)                                              # (copies, V)
-        first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
+        if run.params.seeded:   # each copy's seeded pick at position m (see Generator._verify)
+            first = run.seeded_scores(logits[:, None], [0] * copies, rows=range(r, r + copies))[:, 0].argmax(-1)
+        else:
+            first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         if j.logprobs is not None:
             firsts = first.tolist()
             run.round_logprobs = {r + c: token_logprobs(logits[c:c + 1], firsts[c:c + 1], run.params, j.logprobs)

@@ -21,7 +21,8 @@ import torch
 from specrt.engines.base import chain_mask
 from specrt.errors import InputError
 from specrt.decoding import processors
-from specrt.decoding.sampling import argmax, draw_host, probs, sample, softmax_host, top_k_ids, top_k_in_place
+from specrt.decoding.sampling import (argmax, draw_host, probs, sample, seeded_pick, softmax_host, top_k_ids,
+                                     top_k_in_place)
 from specrt.decoding.tree import Tree
 
 
@@ -260,6 +261,8 @@ class DraftModelDrafter:
                     tok = tops[-1][:, 0]
                 elif run.params.greedy:
                     tok = argmax(logits)
+                elif run.params.seeded:   # each row's own seeded pick from Q: the target's where Q = P
+                    tok = run.seeded_scores(logits[:, None], [i])[:, 0].argmax(-1)
                 else:
                     q = probs(logits, run.params)
                     tok = sample(q, run.generator)
@@ -307,8 +310,10 @@ class DraftModelDrafter:
         and numpy views of the engine's buffers (see Generator._verify): the draft model's steps are short, so
         their host work counts twice over."""
         B, top, cache, params = run.batch, run.max_len - 1, self.cache, run.params
-        if not params.greedy:   # the draft probabilities Q (B, γ, V), and a uniform per draft
-            q = np.empty((B, gamma, self.engine.spec["vocab_size"]), np.float32)
+        sampled = not params.greedy and not params.seeded   # seeded rows draft their seeded picks (see propose)
+        V, lengths = self.engine.spec["vocab_size"], run.host_lengths.tolist()
+        if sampled:   # the draft probabilities Q (B, γ, V), and a uniform per draft
+            q = np.empty((B, gamma, V), np.float32)
             u = torch.rand(B, gamma, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
         inputs, past = self._inputs(B, w), []
         for b, n in enumerate(run.host_lengths.tolist()):
@@ -329,6 +334,9 @@ class DraftModelDrafter:
                     row = grammars.apply(b, logits[b, -1]) if grammars else logits[b, -1]
                     if params.greedy:
                         drafts[b, i] = row.argmax()
+                    elif not sampled:
+                        weights = softmax_host(row, params.temperature, normalise=False)
+                        drafts[b, i] = seeded_pick(weights, run.noise(b, lengths[b] + i, V))
                     else:
                         q[b, i] = softmax_host(row, params.temperature)
                         drafts[b, i] = draw_host(q[b, i], u[b][i])
@@ -338,7 +346,7 @@ class DraftModelDrafter:
             grammars.close()
         if (B, gamma) not in self.valid:
             self.valid[(B, gamma)] = torch.ones(B, gamma, dtype=torch.bool, device="cpu")
-        return Proposal(torch.from_numpy(drafts), None if params.greedy else torch.from_numpy(q),
+        return Proposal(torch.from_numpy(drafts), torch.from_numpy(q) if sampled else None,
                         self.valid[(B, gamma)], host=(drafts, [gamma] * B))
 
 

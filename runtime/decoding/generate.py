@@ -255,7 +255,7 @@ class Generator:
                  min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
                  grammar: Grammar | tuple[str, object] | None = None, rounds: bool = False,
-                 cache_partition: str | None = None) -> Generation:
+                 cache_partition: str | None = None, seeding: str = "position") -> Generation:
         """One prompt, or a batch of different prompts (a list of texts, or of token-id lists) decoded together,
         each row at its own length and acceptance, finished rows leaving the batch. Sequences come back prompt
         by prompt, `num_return_sequences` each. `method`: "auto" (the default: the engine set's tuning's fastest
@@ -280,11 +280,17 @@ class Generator:
         position's distribution is the target's masked to what the grammar allows there. `rounds=True`:
         `Generation.rounds` holds each sequence's Rounds, what every round drafted, accepted and kept (see Round).
         `cache_partition`: the prefix cache's partition the prompts read from and add to (a tenant's name; None, the
-        default: the shared one): a prompt only reuses what prompts of its own partition left (prefix_cache.py)."""
+        default: the shared one): a prompt only reuses what prompts of its own partition left (prefix_cache.py).
+        `seed` (at temperature > 0, exact acceptance): each sequence's tokens are a function of the seed, the prompt
+        and the sequence's index alone: the same with every method, γ, tree and adaptive choice and any batch
+        neighbours (each position sampled by the exponential race with noise keyed by the seed and the position,
+        sampling.seeded_pick; drafts are checked against that pick, the target's distribution over seeds);
+        `seeding="stream"`: the seed starts the rejection rules' random stream instead (the same tokens only with the
+        same method and choices; what a request without a seed runs, from a random seed)."""
         loop = self._rounds(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                             num_return_sequences, method, gamma, ngram_max, ngram_min, chat, tree, tree_choices,
                             adaptive, acceptance, logprobs, min_p, presence_penalty, frequency_penalty,
-                            repetition_penalty, logit_bias, grammar, rounds, cache_partition)
+                            repetition_penalty, logit_bias, grammar, rounds, cache_partition, seeding)
         while True:
             try:
                 next(loop)
@@ -337,7 +343,7 @@ class Generator:
                 acceptance: str = "exact", logprobs: int | None = None, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 logit_bias: dict[int, float] | None = None, grammar=None, rounds: bool = False,
-                cache_partition: str | None = None):
+                cache_partition: str | None = None, seeding: str = "position"):
         """The loop, one round at a time: yields the batch's state after the prefills and after every round,
         returns the Generation. The loop runs with one torch thread (its tensors are small: a pool only adds
         latency); the caller's setting is back when it ends."""
@@ -357,7 +363,7 @@ class Generator:
             batch = self.batch(len(prompts) * n, room, method=method, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, gamma=gamma, ngram_max=ngram_max, ngram_min=ngram_min,
                                tree=tree, tree_choices=tree_choices, adaptive=adaptive, acceptance=acceptance,
-                               min_p=min_p, constrained=grammar is not None)
+                               min_p=min_p, constrained=grammar is not None, seeding=seeding)
             started = time.perf_counter()
             for i, ids in enumerate(prompts):
                 batch.add(ids, max_new_tokens, owner=range(i * n, i * n + n), copies=n, logprobs=logprobs,
@@ -517,18 +523,22 @@ class Generator:
         out = self._timed(self.target, cache, ids, inputs.positions, mask, g + 1)
         run.path_start = cache.past_len
         params = run.params
+        # a seeded batch: the greedy rules over each node's seeded pick (sampling.seeded_pick), which depends on its
+        # row's seed and position only: the same tokens whatever was drafted
+        seeded = params.seeded
         if on_host and (params.greedy or params.plain) and out.host is not None:   # plain Python on the host
             logits, tokens, path = out.host_logits(), host[0].tolist(), None
             logits = self._processed(run, logits, tokens, tree)
-            u = None if params.greedy else \
+            pick = run.host_picker(logits, depth) if seeded else None
+            u = None if params.greedy or seeded else \
                 torch.rand(B, g + 1, generator=run.generator, device="cpu", dtype=torch.float64).tolist()
             if tree is not None:   # u: one uniform per child tried, then the draw
-                rows, path = verification.tree_greedy_host(logits, tokens, tree) if params.greedy else \
+                rows, path = verification.tree_greedy_host(logits, tokens, tree, pick) if u is None else \
                     verification.tree_typical_host(logits, tokens, tree, params.temperature, u) if params.typical \
                     else verification.tree_sampled_host(logits, tokens, tree, params.temperature, u)
                 accepted = [p[:r[0] + 1] for r, p in zip(rows, path)]
-            elif params.greedy:
-                rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B)
+            elif u is None:
+                rows = verification.greedy_host(logits, tokens, proposal.on_host()[1] if g else [0] * B, pick)
                 accepted = [r[0] + 1 for r in rows]
             else:                  # u: acceptance at each position, then the draw
                 q = proposal.q.numpy() if proposal.q is not None else None
@@ -542,17 +552,18 @@ class Generator:
             return rows
         cache.write(out.new_kv)
         logits = self._processed(run, out.logits, None, tree, ids)
+        scores = run.seeded_scores(logits, depth) if seeded else logits   # argmax: the seeded picks
         if tree is not None:
             dtree = tree.on(dev)
             rule = verification.tree_typical if params.typical else verification.tree_sampled
-            n, nxt, path = verification.tree_greedy(logits, ids, dtree) if params.greedy else \
+            n, nxt, path = verification.tree_greedy(scores, ids, dtree) if params.greedy or seeded else \
                 rule(probs(logits, params), ids, dtree, run.generator)
             path = path.clamp(min=0)                                                    # padding past the leaf
             cache.compact(path)
             tokens, width = ids.gather(1, path), torch.full_like(n, tree.max_depth)
         else:
-            if params.greedy:
-                n, nxt = verification.greedy(logits, proposal.tokens, proposal.valid)
+            if params.greedy or seeded:
+                n, nxt = verification.greedy(scores, proposal.tokens, proposal.valid)
             else:
                 P = probs(logits, params)                                               # (B, γ+1, V)
                 n, nxt = verification.typical(P, proposal.tokens, proposal.valid, run.generator) if params.typical \

@@ -10,7 +10,7 @@ from specrt.decoding import tuning
 from specrt.decoding.drafters import PassInputs
 from specrt.decoding.grammar import Grammar, Matcher
 from specrt.decoding.processors import Context, Penalties
-from specrt.decoding.sampling import SamplingParams, TokenLogprob
+from specrt.decoding.sampling import SamplingParams, TokenLogprob, noise, probs, seeded_pick, softmax_host
 
 
 METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest")
@@ -81,6 +81,7 @@ class _Joining:
     cached: int | None = None            # prompt positions from the prefix cache (None: not looked up yet)
     rounds: bool = False                 # its rows keep a Round per round (_Row.round_log)
     partition: str | None = None         # its prefix cache partition (PrefixCache: its tenant; None: the shared one)
+    seed: int | None = None              # its seed (a seeded batch's: else the batch's own), see _Row.seed_key
 
     @property
     def copies(self) -> int:
@@ -109,6 +110,7 @@ class _Row:
     round_log: list[Round] | None = None  # each round's drafts and outcome, when asked for (Batch.join(rounds=True))
     rounds_sent: int = 0                 # the entries of round_log already handed out
     partition: str | None = None         # its request's prefix cache partition (_Joining.partition)
+    seed_key: tuple[int, int] | None = None  # a seeded batch's: (its request's seed, its copy), the key of its noise
 
 
 class _Run:
@@ -144,6 +146,7 @@ class _Run:
         self.round_logprobs: dict[int, list[TokenLogprob]] = {}   # row -> the round's tokens', for _account
         self.by_batch: dict[int, list[int]] = {}      # live rows -> [rounds, speculative rounds]
         self._inputs: dict[tuple[int, int], PassInputs] = {}
+        self._noise: dict[tuple, np.ndarray] = {}     # (seed key, position, size) -> sampling.noise, see noise()
         self.resize(0)
 
     def inputs(self, B: int, S: int) -> PassInputs:
@@ -159,6 +162,37 @@ class _Run:
         hidden are taken from them when a drafter asks (before the next pass reuses the engine's buffers)."""
         self._pass, self._path_hidden, self._hidden = (out, path, n), None, None
         self.host_pass = (path, n) if isinstance(n, list) else None   # a device pass's: from the round's read
+
+    def noise(self, b: int, index: int, size: int) -> np.ndarray:
+        """Row b's noise for its token at position `index` (sampling.noise of its seed key), kept for the round's
+        other uses of it (the draft model's draft there, then its verification)."""
+        at = (self.rows[b].seed_key, index, size)
+        e = self._noise.get(at)
+        if e is None:
+            if len(self._noise) >= 4 * self.capacity * (MAX_GAMMA + 1):   # ~a round's worth each row
+                self._noise.clear()
+            e = self._noise[at] = noise(at[0], index, size)
+        return e
+
+    def host_picker(self, logits: np.ndarray, depth):
+        """A seeded batch's rule on the host: pick(b, node), the token of row b at a pass's node (at depth[node]
+        below the row's pending token) drawn by its noise from softmax(logits / T) (sampling.seeded_pick)."""
+        T, V = self.params.temperature, logits.shape[-1]
+        lengths = self.host_lengths.tolist()
+
+        def pick(b: int, node: int) -> int:
+            w = softmax_host(logits[b, node], T, normalise=False)
+            return seeded_pick(w, self.noise(b, lengths[b] + depth[node], V))
+        return pick
+
+    def seeded_scores(self, logits: torch.Tensor, depth, rows=None) -> torch.Tensor:
+        """A seeded batch's rule on tensors: P / E over a pass's logits (B, S, V) of `rows` (default: the live
+        ones), whose argmax at each node is its seeded pick (host_picker's; the greedy rules take it from here), P
+        after temperature, top-k, top-p and min-p."""
+        B, S, V = logits.shape
+        lengths = self.host_lengths.tolist()
+        e = np.stack([[self.noise(b, lengths[b] + depth[i], V) for i in range(S)] for b in (rows or range(B))])
+        return probs(logits, self.params) / torch.from_numpy(e).to(logits.device)
 
     @property
     def last_pass(self) -> tuple:

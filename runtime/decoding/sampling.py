@@ -8,6 +8,7 @@ import torch
 
 from specrt.errors import InputError
 
+SEEDING = ("position", "stream")    # what a seed fixes (SamplingParams.seeding)
 ACCEPTANCE = ("exact", "typical")   # the verification rules: exact (the target's distribution) or Medusa's typical
 # Below it, logits / temperature can overflow float32 (1e-39 does: NaN probabilities, an id out of the vocabulary);
 # sampling there is greedy decoding but for exact ties.
@@ -23,6 +24,8 @@ class SamplingParams:
     seed: int | None = None
     acceptance: str = "exact"  # "typical": Medusa's typical acceptance (lossy, see verification.typical)
     min_p: float = 0.0         # 0: off; else tokens below min_p × the most likely token's probability are dropped
+    seeding: str = "position"  # what a seed fixes: "position", each position's draw (`seeded`), or "stream", the
+    #                            rejection rules' random stream (the same tokens only with the same method and choices)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -40,6 +43,9 @@ class SamplingParams:
             raise InputError(f"top_k {self.top_k}: must be >= 0 (0 turns it off)")
         if not 0 <= self.min_p <= 1:
             raise InputError(f"min_p {self.min_p}: must be in [0, 1] (0 turns it off)")
+        if self.seeding not in SEEDING:
+            raise InputError(f"seeding {self.seeding!r}: choose position (the default: a seed gives the same tokens "
+                             "with every method) or stream (it seeds the rejection rules' random draws)")
         if self.acceptance not in ACCEPTANCE:
             raise InputError(f"acceptance {self.acceptance!r}: choose exact (the default: the target's distribution) "
                              "or typical (Medusa's typical acceptance: faster at temperature > 0, not the target's "
@@ -48,6 +54,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def seeded(self) -> bool:
+        """Each row's tokens are a function of its seed (see `seeded_pick`): exact sampling at temperature > 0 with
+        a seed. Verification then takes the greedy rules over the seeded picks, whatever the method drafted."""
+        return self.seed is not None and self.temperature > 0 and self.acceptance == "exact" and \
+            self.seeding == "position"
 
     @property
     def typical(self) -> bool:
@@ -150,6 +163,23 @@ def draw_host(weights: np.ndarray, u: float, block: int = 128) -> int:
     while part[i] == 0:   # only where rounding pushed x to the block's end: its last entry of nonzero weight
         i -= 1
     return int(starts[b]) + i
+
+
+def noise(key: tuple[int, int], index: int, size: int) -> np.ndarray:
+    """Exp(1) draws E, one per token of the vocabulary, for the token at sequence position `index` of the row
+    whose seed key is `key` (its request's seed, its copy): Philox counter-based streams (the key is the seed, the
+    position a word of the counter of its own), so the draws depend on nothing but the seed and the position: not
+    on the method, the drafts, the round or the batch. ~0.3 ms for 49,152 tokens."""
+    seed, copy = key
+    g = np.random.Generator(np.random.Philox(key=(seed % 2 ** 64) + (copy << 64), counter=index << 64))
+    return np.maximum(g.standard_exponential(size, dtype=np.float32), np.float32(1e-30))   # never 0: w / E
+
+
+def seeded_pick(weights, e) -> int:
+    """The exponential race argmax(w / E) (the Gumbel-max rule: argmax(log w − log E)) of one row of nonnegative
+    weights w (numpy, not necessarily normalised) and noise E: a token drawn with probability w / Σw when E is
+    fresh Exp(1), a deterministic function of the two otherwise. A weight of 0 is never picked."""
+    return int((weights / e).argmax())
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -22,18 +22,20 @@ def greedy(target_logits: torch.Tensor, draft: torch.Tensor, valid: torch.Tensor
     return n, best.gather(1, n[:, None])[:, 0]
 
 
-def greedy_host(logits: np.ndarray, tokens: list[list[int]], width: list[int]) -> list[list[int]]:
+def greedy_host(logits: np.ndarray, tokens: list[list[int]], width: list[int], pick=None) -> list[list[int]]:
     """greedy() on the host, in plain Python over the target's logits (B, γ+1, V) (a numpy view) and the pass's
     tokens (B lists: the root, then the drafts; row b has width[b] real drafts). Returns per row
     [n, next token, width, root, accepted drafts...] (the loop's commit). The CPU loop's: right after a pass
     each distinct torch or numpy operation costs tens of µs of cold code, the interpreter's own a few; and a
-    position's argmax is taken only when the drafts before it were accepted."""
+    position's argmax is taken only when the drafts before it were accepted. `pick(b, node)`: the target's token
+    there instead of the argmax (a seeded batch's, _Run.host_picker)."""
+    pick = pick or (lambda b, i: int(logits[b, i].argmax()))
     rows = []
     for b, (tt, w) in enumerate(zip(tokens, width)):
-        n, best = 0, int(logits[b, 0].argmax())
+        n, best = 0, pick(b, 0)
         while n < w and tt[n + 1] == best:
             n += 1
-            best = int(logits[b, n].argmax())
+            best = pick(b, n)
         rows.append([n, best, w] + tt[:n + 1])
     return rows
 
@@ -121,11 +123,12 @@ def tree_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, tree):
     return n, best.gather(1, last[:, None])[:, 0], path
 
 
-def tree_greedy_host(logits: np.ndarray, tokens: list[list[int]], tree) -> tuple[list[list[int]], list]:
-    """tree_greedy() on the host, in plain Python (see greedy_host): the deepest root-to-node path on which every
-    node is its parent's argmax (the first found in rank order on a tie), taking the argmax only at the nodes
-    reached. Returns the commit rows (width: the tree's depth) and each row's path as node ids, root first,
-    padded with its last node to max_depth + 1."""
+def tree_greedy_host(logits: np.ndarray, tokens: list[list[int]], tree, pick=None) -> tuple[list[list[int]], list]:
+    """tree_greedy() on the host, in plain Python (see greedy_host, `pick` too): the deepest root-to-node path on
+    which every node is its parent's argmax (the first found in rank order on a tie), taking the argmax only at
+    the nodes reached. Returns the commit rows (width: the tree's depth) and each row's path as node ids, root
+    first, padded with its last node to max_depth + 1."""
+    pick = pick or (lambda b, i: int(logits[b, i].argmax()))
     rows, paths = [], []
     D = tree.max_depth
     for b, tt in enumerate(tokens):
@@ -136,7 +139,7 @@ def tree_greedy_host(logits: np.ndarray, tokens: list[list[int]], tree) -> tuple
             if len(here) > len(path):
                 path = here
             node = here[-1]
-            best[node] = int(logits[b, node].argmax())
+            best[node] = pick(b, node)
             stack.extend(here + [c] for c in reversed(tree.children[node]) if tt[c] == best[node])
         n = len(path) - 1
         rows.append([n, best[path[-1]], D] + [tt[i] for i in path])

@@ -56,14 +56,15 @@ class Job:
     @property
     def key(self):
         """Requests that can share a batch: the same method and speculation options and the same sampling (greedy
-        ignores top-k, top-p and min-p). A seeded request runs in a batch of its own, so that its seed reproduces it.
-        Penalties, logit_bias, logprobs and grammars are each row's own; but `auto` may run another method for
+        ignores top-k, top-p and min-p). Seeded requests batch with seeded ones: each row samples by its own seed's
+        noise (Batch.join), the same tokens whatever its neighbours; with typical acceptance (lossy, its rounds
+        depend on the drafts) a seeded request runs in a batch of its own. Penalties, logit_bias, logprobs and grammars are each row's own; but `auto` may run another method for
         requests with a grammar (Generator.method_for), so under `auto` those batch apart from those without."""
         o = self.options
         sampling = (0.0,) if o["temperature"] == 0 else (o["temperature"], o["top_k"], o["top_p"], o.get("min_p", 0.0),
                                                          o["acceptance"])
-        if o["seed"] is not None:
-            sampling = (self,)
+        if o["seed"] is not None and o["temperature"] > 0:
+            sampling = (*sampling, "seeded") if o["acceptance"] == "exact" else (self,)
         method = (o["method"], o.get("grammar") is not None) if o["method"] == AUTO else o["method"]
         return (method, o["gamma"], o["tree"], o["adaptive"], *sampling)
 
@@ -265,7 +266,7 @@ class Scheduler:
             self.batch.join(job.ids, o["max_new_tokens"], owner=[(job, i) for i in range(job.copies)],
                             copies=job.copies, logprobs=o.get("logprobs"), penalties=o.get("penalties"),
                             grammar=o.get("grammar"), rounds=o.get("rounds", False),
-                            partition=o.get("cache_partition"))
+                            partition=o.get("cache_partition"), seed=o["seed"])
             self.metrics.admitted(self.batch.method, len(job.ids), time.perf_counter() - job.arrived)
         except Exception as e:   # noqa: BLE001 -- answered to the request
             job.put(e)
