@@ -3,8 +3,10 @@
 A router (`gate`, [E, d]) scores each token's E experts; each token takes its top k by softmax probability (the k
 weights renormalised to sum to 1 where the architecture says so) and the output is the weighted sum of those k
 experts' MLPs. The graph computes only what was chosen: for each expert, the rows routed to it (NonZero), gathered,
-its MLP on them, scattered back weighted (an Add into the output at those rows). An expert that no token of the
-pass chose runs on 0 rows; a pass over S tokens runs at most S * k expert rows, never a dense pass over all E.
+its MLP on them, weighted; then one scatter-add of every expert's rows into the output. An expert that no token of
+the pass chose runs on 0 rows; a pass over S tokens runs S * k expert rows, never a dense pass over all E. (About 15
+nodes an expert once built; a scatter-add and an indexed weight per expert took twice that: 1,154 nodes against
+702 for 8 experts in 4 layers.)
 
 Each expert's weights are parameters of their own (`experts.{e}.gate_proj` ...): the traced graph reads them
 directly, where indexing transformers' stacked [E, 2I, d] tensor in forward would be folded into copies.
@@ -31,12 +33,17 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)                # (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(h)
+        picked = torch.zeros_like(probs).scatter(1, chosen, 1.0).t()    # (E, N): 1 where the token chose the expert
+        routed = torch.zeros_like(probs).scatter(1, chosen, weights).t()   # (E, N): the token's weight of it
+        rows, ys = [], []
         for e, expert in enumerate(self.experts):
-            rows, slots = torch.nonzero(chosen == e, as_tuple=True)     # (n_e,): the tokens that chose e, 0 if none
-            y = expert(h.index_select(0, rows)) * weights[rows, slots].unsqueeze(-1)   # (n_e, d)
-            out = out.index_add(0, rows, y)
-        return out.view_as(x)                                           # (B, S, d)
+            r = picked[e].nonzero().squeeze(-1)                         # (n_e,): the tokens that chose e, 0 if none
+            ys.append(expert(h.index_select(0, r)) * routed[e].index_select(0, r).unsqueeze(-1))   # (n_e, d)
+            rows.append(r)
+        # one scatter-add (ScatterElements, reduction add: a token's k rows add up) of every expert's rows, in the
+        # order of the experts (transformers' order of the sums)
+        r, y = torch.cat(rows), torch.cat(ys)                           # (N * k,), (N * k, d)
+        return torch.zeros_like(h).scatter_add(0, r.unsqueeze(-1).expand_as(y), y).view_as(x)   # (B, S, d)
 
 
 def split_experts(state: dict, block: str, router: str) -> dict:
