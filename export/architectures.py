@@ -4,8 +4,9 @@ Each entry says how a transformers checkpoint of that `model_type` differs from 
 export/model.py writes once; the sizes, the windows and the soft-caps are read from the config there
 (`args_from_config`). A mixture of experts (`experts_key`) replaces the MLP of its sparse layers by the routed
 block of export/moe.py. `architecture_of` refuses, by name, what the graph does not implement: an unregistered
-model type (a mixture of experts with shared experts among them), a layer type other than full or sliding-window
-attention, an MLP activation it does not know, bidirectional attention, clipped q/k/v.
+model type (a mixture of experts with shared experts among them; a hybrid of REFUSED, with its reason), a layer
+type other than full or sliding-window attention (and LFM2's conv, see export/hybrid.py), an MLP activation it
+does not know, bidirectional attention, clipped q/k/v.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh")   # the MLP activat
 LAYER_TYPES = ("full_attention", "sliding_attention")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")   # config fields of a mixture of experts
 SHARED = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")   # ... with shared experts
+# hybrid models refused by name, with the reason (docs/engines.md)
+REFUSED = {"granitemoehybrid": "its Mamba-2 layers carry a recurrent state that a rejected draft cannot roll back "
+                               "by an index (it needs a state per position or a re-run): not implemented; export "
+                               "a model of a supported architecture (LFM2's short convolutions are)"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class Architecture:
     moe_size_key: str = "intermediate_size"   # config field of each expert's intermediate size
     norm_topk_prob: bool | str = True   # the top-k weights renormalised to sum to 1: always, or as this field says
     sparse_step: bool = False  # Qwen3-MoE: mlp_only_layers and decoder_sparse_step say which layers have experts
+    conv: bool = False         # LFM2: the layers config.layer_types marks "conv" are gated short convolutions
+    #                            (export/hybrid.py)
+    eps_key: str = "rms_norm_eps"   # config field of the norms' epsilon
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -67,6 +75,7 @@ REGISTRY: dict[str, Architecture] = {
         # the router's softmax over the top-k logits: the top-k of the softmax, renormalised
         Architecture("granitemoe", "GraniteMoeForCausalLM", multipliers=True, experts_key="num_local_experts",
                      moe_block="block_sparse_moe", router="router"),
+        Architecture("lfm2", "Lfm2ForCausalLM", qk_norm=True, conv=True, eps_key="norm_eps"),
     )
 }
 
@@ -76,6 +85,8 @@ def architecture_of(config, name: str = "the model") -> Architecture:
     arch = REGISTRY.get(config.model_type)
     experts = next((f"{k} = {getattr(config, k)}" for k in EXPERTS if getattr(config, k, None)), None)
     shared = next((f"{k} = {getattr(config, k)}" for k in SHARED if getattr(config, k, None)), None)
+    if arch is None and config.model_type in REFUSED:
+        raise UnknownSourceError(f"{name} is a {config.model_type!r} model: {REFUSED[config.model_type]}")
     if arch is None:
         what = f" (a mixture of experts, {experts}{f', shared experts, {shared}' if shared else ''}: not " \
                "implemented)" if experts else ""
@@ -93,6 +104,9 @@ def architecture_of(config, name: str = "the model") -> Architecture:
         raise UnknownSourceError(f"{name}: MLP activation {act!r} ({arch.act_key}) is not implemented; supported: "
                                  f"{', '.join(ACTIVATIONS)}")
     other = sorted({t for t in (getattr(config, "layer_types", None) or []) if t not in LAYER_TYPES})
+    if arch.conv and set(config.layer_types) - {"full_attention", "conv"}:
+        bad = sorted(set(config.layer_types) - {"full_attention", "conv"})
+        raise UnknownSourceError(f"{name}: layer type {bad[0]!r} is not implemented (supported: full_attention, conv)")
     if other and arch.windows == "layer_types":
         raise UnknownSourceError(f"{name}: layer type {other[0]!r} is not implemented (supported: "
                                  f"{', '.join(LAYER_TYPES)})")

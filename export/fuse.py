@@ -365,6 +365,13 @@ def _inline_attention(g: _Graph, spec: dict, new, dead, counts):
             n("Reshape", [p + "context", "fused/heads"], [t.output[0]]),                   # (B, H, S, D)
         ]
         counts["attention"] += 1
+    # the caches no attention reads (LFM2's conv inputs, see specrt.export.hybrid) are written in place too
+    written = {o.name for o in g.g.output}
+    for i in g.g.input if shared is not None else ():
+        if i.name.startswith(("k_cache_", "v_cache_")) and i.name + WRITTEN not in written:
+            new.append(n("ScatterElements", [i.name, "fused/slots", i.name.replace("_cache_", "_new_")],
+                         [i.name + WRITTEN], axis=2))
+            g.g.output.append(helper.make_tensor_value_info(i.name + WRITTEN, types[i.name], None))
 
 
 def _attention(p: str, qg: str, keys: str, values: str, scale: float, softcap: float, bias: str, dtype: int,

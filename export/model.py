@@ -11,6 +11,8 @@ A draft may keep a reduced output vocabulary (`vocab_subset`, K ids): its lm_hea
 scattered into a full row that is -inf elsewhere, so the output stays [B, n, V] and every other id has draft
 probability exactly zero (the rejection rule stays exact).
 A mixture of experts routes each token of its sparse layers to its top-k experts (specrt.export.moe).
+LFM2's conv layers keep their inputs in cache pairs of their own (specrt.export.hybrid): `caches` holds
+hybrid.cache_layers(args) pairs, layer i's from hybrid.cache_index(args)[i].
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from specrt.export.architectures import Architecture, architecture_of, layer_windows
+from specrt.export.hybrid import ShortConv, cache_index, conv_taps, lfm2_ff_size, lfm2_weights
 from specrt.export.moe import SparseMoE, split_experts
 from specrt.plugins.tree_attention import tree_attention
 
@@ -56,6 +59,9 @@ class ModelArgs:
     top_k: int = 0                 # experts per token
     expert_size: int = 0           # each expert's intermediate size
     norm_topk_prob: bool = True    # the top-k routing weights renormalised to sum to 1
+    conv_layers: tuple[bool, ...] = ()   # per layer: LFM2's gated short convolution in place of attention
+    conv_kernel: int = 0           # its kernel K (conv_L_cache)
+    conv_bias: bool = False
 
 
 def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str]) -> ModelArgs:
@@ -68,12 +74,13 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
                                                          or (i + 1) % config.decoder_sparse_step)) for i in range(L))
     norm_topk = arch.norm_topk_prob if isinstance(arch.norm_topk_prob, bool) else getattr(config, arch.norm_topk_prob)
     multipliers = arch.multipliers
+    conv = tuple(t == "conv" for t in config.layer_types[:L]) if arch.conv else ()
     return ModelArgs(
         architecture=arch.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
+        intermediate_size=lfm2_ff_size(config) if arch.conv else config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps, max_seq_len=max_seq_len,
+        head_dim=head_dim, rms_norm_eps=getattr(config, arch.eps_key), max_seq_len=max_seq_len,
         qkv_bias=layer + "self_attn.q_proj.bias" in weights or layer + "self_attn.qkv_proj.bias" in weights,
         o_bias=layer + "self_attn.o_proj.bias" in weights,
         mlp_bias=layer + "mlp.gate_proj.bias" in weights or layer + "mlp.gate_up_proj.bias" in weights,
@@ -91,6 +98,7 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
         logits_scale=config.logits_scaling if multipliers else 1.0, sparse_layers=sparse if any(sparse) else (),
         num_experts=E, top_k=config.num_experts_per_tok if E else 0,
         expert_size=getattr(config, arch.moe_size_key) if E else 0, norm_topk_prob=bool(norm_topk),
+        conv_layers=conv, conv_kernel=config.conv_L_cache if conv else 0, conv_bias=bool(conv) and config.conv_bias,
     )
 
 
@@ -98,7 +106,8 @@ def plain_layers(a: ModelArgs) -> ModelArgs:
     """`a`'s sizes and biases with the Llama layer's options (what a drafter's own layers are)."""
     return replace(a, act="silu", qk_norm=False, sandwich_norms=False, embed_scale=1.0, attn_scale=0.0,
                    attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=(), qk_norm_whole=False,
-                   residual_scale=1.0, logits_scale=1.0, sparse_layers=(), num_experts=0, top_k=0, expert_size=0)
+                   residual_scale=1.0, logits_scale=1.0, sparse_layers=(), num_experts=0, top_k=0, expert_size=0,
+                   conv_layers=(), conv_kernel=0, conv_bias=False)
 
 
 # the MLP activations by their transformers names (architectures.ACTIVATIONS lists them)
@@ -178,7 +187,10 @@ class Block(nn.Module):
     def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
         self.sandwich, self.residual_scale = a.sandwich_norms, a.residual_scale
-        self.self_attn = Attention(a, a.windows[index] if a.windows else 0)
+        if a.conv_layers and a.conv_layers[index]:   # LFM2's conv layer (specrt.export.hybrid)
+            self.conv = ShortConv(a)
+        else:
+            self.self_attn = Attention(a, a.windows[index] if a.windows else 0)
         if a.sparse_layers and a.sparse_layers[index]:
             self.mlp = SparseMoE(a.hidden_size, a.num_experts, a.top_k, a.norm_topk_prob,
                                  lambda: MLP(a, a.expert_size))
@@ -190,15 +202,19 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos, sin, past_len, tree_mask, k_cache, v_cache):
-        h, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, k_cache, v_cache)
+    def forward(self, x, cos, sin, past_len, tree_mask, *caches, taps=None):
+        """-> x and the new cache entries: keys and values, or a conv layer's inputs (`taps`: hybrid.conv_taps)."""
+        if taps is not None:
+            h, *new = self.conv(self.input_layernorm(x), taps, caches)
+        else:
+            h, *new = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, *caches)
         if not self.sandwich:
             r = self.residual_scale   # Granite's residual multiplier; 1: none
             x = x + (h if r == 1.0 else h * r)
             y = self.mlp(self.post_attention_layernorm(x))
-            return x + (y if r == 1.0 else y * r), k, v
+            return x + (y if r == 1.0 else y * r), *new
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), *new
 
 
 class SpecModel(nn.Module):
@@ -232,13 +248,16 @@ class SpecModel(nn.Module):
                       self.rope_sin[position_ids].unsqueeze(1))]
         if self.local_cos is not None:
             rotations.append((self.local_cos[position_ids].unsqueeze(1), self.local_sin[position_ids].unsqueeze(1)))
-        new_kv, aux = [], {}
+        new_kv, aux, conv = [], {}, self.args.conv_layers
+        taps = conv_taps(position_ids, tree_mask, self.args.conv_kernel) if any(conv) else None
+        start = cache_index(self.args)
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 aux[i] = x
             cos, sin = rotations[bool(self.args.local_rope) and self.args.local_rope[i]]
-            x, k, v = layer(x, cos, sin, past_len, tree_mask, caches[2 * i], caches[2 * i + 1])
-            new_kv += [k, v]
+            x, *new = layer(x, cos, sin, past_len, tree_mask, *caches[2 * start[i]:2 * start[i + 1]],
+                            taps=taps if conv and conv[i] else None)
+            new_kv += new
         aux[len(self.model.layers)] = x
         hidden = self.model.norm(x)                                      # (B, S, d)
         S = hidden.shape[1]
@@ -292,6 +311,8 @@ def hf_weights(state: dict, arch: Architecture, a: ModelArgs) -> dict:
         state = {k: v + arch.norm_offset if k.endswith("norm.weight") else v for k, v in state.items()}
     if arch.experts_key:   # the stacked expert tensors as each expert's own weights
         state = split_experts(state, arch.moe_block, arch.router)
+    if arch.conv:
+        state = lfm2_weights(state)
     return state
 
 

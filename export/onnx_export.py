@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from specrt.export.hybrid import cache_layers
 from specrt.export.model import SpecModel
 from specrt.plugins.tree_attention import DOMAIN, attach_function
 
@@ -121,12 +122,12 @@ def export_graph(model: SpecModel, path: Path, dtype: str = "float32") -> None:
     output too (see specrt.export.model)."""
     a = model.args
     B, S = 1, 3
-    caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * a.num_layers)]
+    caches = [torch.zeros(B, a.num_kv_heads, a.max_seq_len, a.head_dim) for _ in range(2 * cache_layers(a))]
     args = (torch.zeros(B, S, dtype=torch.int64), torch.arange(S)[None].expand(B, S).contiguous(),
             torch.zeros(B, dtype=torch.int64),
             torch.ones(S, S, dtype=torch.bool).tril()[None].expand(B, S, S).contiguous(),
             torch.tensor([S], dtype=torch.int64), *caches)
-    cache_in, cache_out = cache_names(a.num_layers)
+    cache_in, cache_out = cache_names(cache_layers(a))
     inputs = ["input_ids", "position_ids", "past_len", "tree_mask", "num_logits", *cache_in]
     outputs = ["logits", "hidden", *cache_out, *(["aux"] if model.aux_layers else [])]
     dyn = {"input_ids": {0: "B", 1: "S"}, "position_ids": {0: "B", 1: "S"}, "past_len": {0: "B"},
@@ -143,7 +144,7 @@ def model_entry(model: SpecModel, source: str, graph_file: str, directory: Path,
     a = model.args
     return {
         "source": source, "architecture": a.architecture, "vocab_size": a.vocab_size,
-        "hidden_size": a.hidden_size, "layers": a.num_layers, "heads": a.num_heads,
+        "hidden_size": a.hidden_size, "layers": cache_layers(a), "heads": a.num_heads,
         "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "max_seq_len": a.max_seq_len,
         "dtype": dtype, "weights_sha256": weights_sha256(model), "eos_token_ids": eos,
         "graph": file_entry(directory, graph_file),

@@ -38,12 +38,14 @@ ARCH_TESTS = {
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),   # q/k norms over the projection
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                        attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=0.5),
+    # a hybrid: a gated short convolution (export/hybrid.py) beside attention; the rest in tests/test_hybrid.py
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
 }
 
 # architectures whose tiny model is checked by graph parity alone (test_graph_parity's fused engine against
 # transformers), not by the whole matrix (greedy, methods, prefill, unfused and width engines): the suite's time
 # budget; their routed block is the one Qwen3-MoE and Mixtral run through all of it
-PARITY_ONLY = {"olmoe", "granitemoe"}
+PARITY_ONLY = {"olmoe", "granitemoe", "lfm2"}
 MATRIX = sorted(set(REGISTRY) - PARITY_ONLY)
 
 

@@ -44,8 +44,9 @@ GGUF_ARCH = {"llama": ("llama", "tiny"), "mistral": ("llama", "Mistral 7B Tiny")
              "qwen3": ("qwen3", "tiny"), "gemma2": ("gemma2", "tiny"), "gemma3_text": ("gemma3", "tiny"),
              "phi3": ("phi3", "tiny")}
 
-# registered architectures without GGUF files here: the mixtures of experts (their files are refused by name)
-NO_GGUF = {name for name, arch in REGISTRY.items() if arch.experts_key}
+# registered architectures without GGUF files here: the mixtures of experts (their files are refused by name) and
+# LFM2 (read from Hugging Face directories only)
+NO_GGUF = {name for name, arch in REGISTRY.items() if arch.experts_key or arch.conv}
 
 
 def test_every_architecture_has_a_gguf_file():

@@ -91,11 +91,12 @@ def test_tiny_engines_are_fused(tiny_engines, arch):
     # per layer: RoPE of q and k, attention inlined, both norms with the residual add before them; the first
     # norm (after the embedding) has no residual add, the final one has; norms on q and k per head (Qwen3,
     # Gemma 3) and on the attention's and the MLP's outputs (Gemma) have none
-    norms = 1 + 2 * layers * arch.qk_norm + 2 * layers * arch.sandwich_norms
     a = from_hf(model, 8).args
+    attn = layers - sum(a.conv_layers)   # LFM2's conv layers: no RoPE, attention or q/k norms
+    norms = 1 + 2 * attn * arch.qk_norm + 2 * layers * arch.sandwich_norms
     mlps = sum(a.num_experts if sparse else 1 for sparse in a.sparse_layers or [False] * layers)   # each expert's
-    assert engine["fused"] == {"rotary": 2 * layers, "attention": layers, "norm": norms, "skip_norm": 2 * layers,
-                               "projections": 3 * layers + 2 * mlps}   # q/k/v and gate/up merged
+    assert engine["fused"] == {"rotary": 2 * attn, "attention": attn, "norm": norms, "skip_norm": 2 * layers,
+                               "projections": 3 * attn + 2 * mlps}   # q/k/v and gate/up merged
 
 
 @pytest.mark.parametrize("arch", MATRIX)
