@@ -1,12 +1,13 @@
 """The time of a target pass of a mixture of experts against dense models, through the real ONNX Runtime engines.
 
     python -m specrt.measurement.moe [--experts 8] [--top-k 2] [--hidden 256] [--layers 4] [--reps 30]
-                                     [--target-weights float32|int8|int4]
+                                     [--target-weights float32|int8|int4] [--threads N]
 
 Three random models of one shape (Mixtral and Mistral layers, built for the CPU as `specrt build` builds them): the mixture (E experts of intermediate size I, k a token), a dense model of the same active size (one MLP of
 k * I) and one of the same total size (E * I). Each pass runs S = 1 and S = 8 new tokens of random ids (so that a
 pass's tokens choose different experts, as text does) after `--context` cached positions; the best of `--reps`
-passes, the models taking turns. Prints a markdown table.
+passes, the models taking turns (`--threads`: ONNX Runtime's threads; 1 measures a machine that others load more
+steadily). Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ import torch
 WIDTHS = (1, 8)
 
 
-def engine_of(work: Path, name: str, model, weights: str) -> object:
+def engine_of(work: Path, name: str, model, weights: str, threads: int | None = None) -> object:
     from specrt.decoding.generate import Generator
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
     model.save_pretrained(work / f"{name}-src")
     export_engines(str(work / f"{name}-src"), work / name, max_seq_len=256, log=lambda *_: None)
     build(work / name, "onnxruntime", log=lambda *_: None, target_weights=weights)
-    return Generator.from_engines(work / name).target
+    return Generator.from_engines(work / name, threads=threads).target
 
 
 def models(experts: int, top_k: int, hidden: int, layers: int, size: int, vocab: int) -> dict:
@@ -67,9 +68,10 @@ def pass_time(engine, S: int, context: int, generator: torch.Generator) -> float
 @click.option("--context", default=64, show_default=True, help="Cached positions before each pass.")
 @click.option("--reps", default=30, show_default=True)
 @click.option("--target-weights", type=click.Choice(["float32", "int8", "int4"]), default="float32", show_default=True)
-def main(experts, top_k, hidden, layers, size, vocab, context, reps, target_weights):
+@click.option("--threads", default=None, type=int, help="ONNX Runtime's threads (default: specrt's own).")
+def main(experts, top_k, hidden, layers, size, vocab, context, reps, target_weights, threads):
     with tempfile.TemporaryDirectory() as tmp:
-        engines = {name: engine_of(Path(tmp), f"m{i}", m, target_weights)
+        engines = {name: engine_of(Path(tmp), f"m{i}", m, target_weights, threads)
                    for i, (name, m) in enumerate(models(experts, top_k, hidden, layers, size, vocab).items())}
         best = {(name, S): float("inf") for name in engines for S in WIDTHS}
         g = torch.Generator().manual_seed(0)
@@ -77,7 +79,8 @@ def main(experts, top_k, hidden, layers, size, vocab, context, reps, target_weig
             for name, engine in engines.items():
                 for S in WIDTHS:
                     best[name, S] = min(best[name, S], pass_time(engine, S, context, g))
-    print(f"| model ({layers} layers, hidden {hidden}, vocab {vocab}, {target_weights}) | S = 1 (ms) | S = 8 (ms) "
+    print(f"| model ({layers} layers, hidden {hidden}, vocab {vocab}, {target_weights}, {threads or 'default'} "
+          "threads) | S = 1 (ms) | S = 8 (ms) "
           "| S = 8 / S = 1 |")
     print("|---|---|---|---|")
     for name in engines:
