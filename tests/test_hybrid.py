@@ -1,0 +1,152 @@
+"""LFM2 targets (export/hybrid.py): gated short convolutions beside attention, their inputs kept in the cache.
+A tiny random LFM2 of its own config (conv, attention, conv; one kv head, so that a conv layer's input takes two
+cache pairs), exported and built for real, against transformers: logits over a prompt, a later chain and a tree,
+a rolled-back cache, greedy output, each method token-identical, the sampled law; Granite 4.0-H refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from greedy_check import assert_same_or_tie
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import SamplingParams
+from specrt.errors import UnknownSourceError
+from specrt.export.architectures import architecture_of
+from specrt.export.build import build
+from specrt.export.pipeline import export_engines
+from test_graph_parity import PARENTS, hf_logits, path, tree_mask
+from test_speculative import N, P_MIN, V, chi_square_p, exact_joint
+
+TOL = 1e-4
+
+
+def lfm2(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.Lfm2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+        block_auto_adjust_ff_dim=False, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.3,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = transformers.Lfm2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1, 0.5)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(Generator, target): the target with a draft of its own architecture, the target with noise on its weights."""
+    tmp = tmp_path_factory.mktemp("lfm2")
+    target, draft = lfm2(), lfm2()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std().clamp(min=0.02))
+    target.save_pretrained(tmp / "target")
+    draft.save_pretrained(tmp / "draft")
+    export_engines(str(tmp / "target"), tmp / "engines", draft=str(tmp / "draft"), max_seq_len=48,
+                   log=lambda *_: None)
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None, drafter_weights="float32")
+    return Generator.from_engines(tmp / "engines"), target
+
+
+def run(engine, cache, ids, positions, mask):
+    """One pass over `ids` on `cache` at its past_len; every position's logits."""
+    return engine.forward(torch.tensor([ids]), positions, cache.past_len, mask[None], len(ids), cache)
+
+
+def chain(cache, n):
+    return cache.past_len[:, None] + torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_a_conv_layer_keeps_its_inputs_in_two_cache_pairs(hybrid):
+    gen, _ = hybrid
+    assert gen.target.spec["layers"] == 2 + 1 + 2   # d = 32 inputs a position, 2 * Hkv * D = 16 a pair
+
+
+def test_logits_match_transformers(hybrid):
+    """A prompt, then a chain of 4 and a tree of 7 on the filled cache: each token's logits within 1e-4."""
+    gen, model = hybrid
+    engine, g = gen.target, torch.Generator().manual_seed(3)
+    seq = torch.randint(0, V, (9,), generator=g).tolist()
+    cache = engine.new_cache(1)
+    out = run(engine, cache, seq, *chain(cache, len(seq)))
+    assert (out.logits[0] - hf_logits(model, seq)).abs().max() < TOL
+    cache.write(out.new_kv)
+    cache.past_len += len(seq)
+    more = torch.randint(0, V, (4,), generator=g).tolist()
+    out = run(engine, cache, more, *chain(cache, 4))
+    assert (out.logits[0] - hf_logits(model, seq + more)[-4:]).abs().max() < TOL
+    mask, depth = tree_mask(PARENTS)
+    nodes = torch.randint(0, V, (len(PARENTS),), generator=g)
+    out = run(engine, cache, nodes.tolist(), cache.past_len[:, None] + depth[None], mask)
+    for i in range(len(PARENTS)):   # each node sees its own ancestors' conv inputs, not its siblings'
+        expected = hf_logits(model, seq + nodes[path(PARENTS, i)].tolist())[-1]
+        assert (out.logits[0, i] - expected).abs().max() < TOL, f"tree node {i}"
+
+
+def test_rollback_reads_the_accepted_positions(hybrid):
+    """A verify pass writes 4 entries, 2 are accepted (past_len moves by 2): the next pass reads the conv state of
+    the accepted positions, not the rejected ones that still sit in the cache's next slots."""
+    gen, model = hybrid
+    engine, g = gen.target, torch.Generator().manual_seed(4)
+    seq = torch.randint(0, V, (6,), generator=g).tolist()
+    cache = engine.new_cache(1)
+    out = run(engine, cache, seq, *chain(cache, 6))
+    cache.write(out.new_kv)
+    cache.past_len += 6
+    drafts = torch.randint(0, V, (4,), generator=g).tolist()
+    out = run(engine, cache, drafts, *chain(cache, 4))
+    cache.write(out.new_kv)
+    cache.truncate(cache.past_len + 2)   # drafts[2:] rejected: their entries stay, as scratch
+    nxt = [(drafts[2] + 1) % V, (drafts[3] + 5) % V]
+    out = run(engine, cache, nxt, *chain(cache, 2))
+    assert (out.logits[0] - hf_logits(model, seq + drafts[:2] + nxt)[-2:]).abs().max() < TOL
+
+
+def test_greedy_equals_transformers_generate(hybrid):
+    gen, model = hybrid
+    for seed in range(2):
+        prompt = torch.randint(0, V, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ours = gen.generate(prompt_ids=prompt, max_new_tokens=20, method="autoregressive").token_ids[0]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+        assert_same_or_tie(ours, ref.tolist(), prompt, model)
+
+
+@pytest.mark.parametrize("kw", [dict(method="draft", gamma=3), dict(method="draft", tree=True),
+                                dict(method="ngram")], ids=["draft", "draft-tree", "ngram"])
+def test_methods_are_token_identical(hybrid, kw):
+    gen, model = hybrid
+    accepted = 0
+    for seed in range(2):
+        prompt = torch.randint(0, V, (6 + seed,), generator=torch.Generator().manual_seed(10 + seed)).tolist()
+        prompt = prompt + prompt[:4]   # something for prompt lookup to find
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive").token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=24, adaptive=False, **kw)
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+        accepted += out.stats["acceptance_rate"] or 0
+    if kw["method"] == "draft":
+        assert accepted > 0, "no draft accepted: the verification passes were single tokens"
+
+
+def test_sampled_drafts_keep_the_target_distribution(hybrid):
+    """Chi-square of the first 3 sampled tokens (draft, gamma 2) against the law transformers gives."""
+    gen, model = hybrid
+    prompt, params = [5, 1, 7], dict(temperature=1.0)
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=N, method="draft", gamma=2,
+                       seed=123, adaptive=False, seeding="stream", **params)
+    assert out.stats["acceptance_rate"] < 0.95   # rejections (and so rollbacks) really happened
+    assert chi_square_p(out.token_ids, exact_joint(model, prompt, SamplingParams(**params))) > P_MIN
+
+
+def test_granite_hybrid_is_refused_with_its_reason():
+    config = transformers.GraniteMoeHybridConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=1, mamba_n_heads=4,
+                                                 mamba_d_head=16)
+    with pytest.raises(UnknownSourceError, match="'granitemoehybrid'.*Mamba-2.*cannot roll back"):
+        architecture_of(config)
