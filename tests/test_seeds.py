@@ -36,21 +36,20 @@ def test_noise_depends_on_the_seed_and_the_position_only():
 
 
 def test_a_seed_gives_the_same_tokens_with_every_method(default_generator):
-    """The default engine set, T = 0.8: every method (adaptive, so γ and trees follow the clock), a fixed γ and a
-    chain at γ = 1 give the autoregressive tokens of the seed; another seed other tokens."""
+    """The default engine set, T = 0.8: every method (adaptive, so γ and trees follow the clock) and a chain at a
+    fixed γ = 1 give the autoregressive tokens of the seed; another seed other tokens."""
     gen = default_generator
     prompt = gen.encode("Write a short story about a lighthouse keeper.")
-    ref = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive", **SEEDED).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive", **SEEDED).token_ids[0]
     accepted = {}
     for name in METHODS:
-        out = gen.generate(prompt_ids=prompt, max_new_tokens=24, **method_options(name), **SEEDED)
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=12, **method_options(name), **SEEDED)
         assert out.token_ids[0] == ref, name
         accepted[name] = out.stats["acceptance_rate"]
-    for gamma in (1, 5):
-        out = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="draft", gamma=gamma, adaptive=False, **SEEDED)
-        assert out.token_ids[0] == ref, gamma
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="draft", gamma=1, adaptive=False, **SEEDED)
+    assert out.token_ids[0] == ref
     assert accepted["draft"] > 0 and accepted["eagle"] > 0   # drafts were accepted: verification really ran
-    other = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive", temperature=0.8, seed=8)
+    other = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive", temperature=0.8, seed=8)
     assert other.token_ids[0] != ref
 
 
@@ -60,12 +59,12 @@ def test_a_seed_gives_the_same_tokens_beside_any_neighbours(default_generator, n
     rows before it: it moves into a lower row as they finish) gives its tokens alone."""
     gen = default_generator
     prompt = gen.encode("Name three rivers in Europe.")
-    alone = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", **SEEDED).token_ids[0]
+    alone = gen.generate(prompt_ids=prompt, max_new_tokens=8, method="draft", **SEEDED).token_ids[0]
     batch = gen.batch(neighbours + 1, 96, method="draft", **SEEDED)
     for i in range(neighbours):
-        batch.add(gen.encode(f"Count to {i + 3}."), 4 + i, owner=i, seed=100 + i)
+        batch.add(gen.encode(f"Count to {i + 3}."), 3 + i, owner=i, seed=100 + i)
     batch.step()
-    batch.add(prompt, 16, owner="subject")
+    batch.add(prompt, 8, owner="subject")
     out = {}
     while batch.run.batch:
         batch.step()
@@ -94,13 +93,13 @@ def test_seeded_sampling_is_the_target_distribution(drafters, kw):
 
 @pytest.mark.parametrize("method", ["draft", "draft-tree", "medusa", "eagle"])
 def test_every_method_samples_the_same_tokens_for_each_seed(drafters, method):
-    """On the tiny set, 1,000 seeded sequences of 8 tokens per method, fixed speculation, at T = 1 and at T = 0.7
+    """On the tiny set, 300 seeded sequences of 8 tokens per method, fixed speculation, at T = 1 and at T = 0.7
     with top-p 0.9: token for token those of autoregressive decoding with the same keys (so each method's samples
     are the ones the chi-square above passes), and drafts were accepted (the draft model is another random model:
     few of its drafts are)."""
     gen, _ = drafters
     for kw in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)):
-        options = dict(prompt_ids=[5, 1, 7], max_new_tokens=8, num_return_sequences=1000, seed=11, **kw)
+        options = dict(prompt_ids=[5, 1, 7], max_new_tokens=8, num_return_sequences=300, seed=11, **kw)
         ref = gen.generate(method="autoregressive", **options).token_ids
         out = gen.generate(adaptive=False, **method_options(method), **options)
         assert out.token_ids == ref, (method, kw)
