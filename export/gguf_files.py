@@ -1,6 +1,7 @@
 """GGUF files as export sources, judged from their header alone (the metadata and the tensor table, no tensor data)
-before anything is converted: an architecture that specrt exports and transformers' GGUF loader reads, no mixture of
-experts, and every tensor of a type that the `gguf` package dequantizes (transformers' loader calls it for these
+before anything is converted: an architecture that specrt exports and transformers' GGUF loader reads (a mixture
+of experts only as Qwen3-MoE: a Mixtral file is a llama file with experts, which the loader does not read), and every
+tensor of a type that the `gguf` package dequantizes (transformers' loader calls it for these
 architectures). The header is walked here rather than by `gguf.GGUFReader`, which makes arrays of every vocabulary
 entry first: 11 s for Gemma 3's 262,144 tokens, against 0.2 s."""
 from __future__ import annotations
@@ -20,7 +21,8 @@ MAGIC = b"GGUF"
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 # the file's `general.architecture` -> transformers' model_type, where they differ (transformers' GGUF loader)
-MODEL_TYPES = {"gemma3": "gemma3_text"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+FILE_NAMES = {"qwen3_moe": "qwen3moe"}   # transformers' loader lists it by its model type; files name it so
 # the token ids that end a sequence, as llama.cpp stops on them: end of sequence, of a turn, of a message
 EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -152,7 +154,8 @@ def exported_architectures() -> list[str]:
     """The GGUF architectures that specrt exports: registered ones that transformers' GGUF loader reads."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from specrt.export.architectures import REGISTRY
-    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if model_type(a) in REGISTRY)
+    names = (FILE_NAMES.get(a, a) for a in GGUF_SUPPORTED_ARCHITECTURES)
+    return sorted(a for a in names if model_type(a) in REGISTRY)
 
 
 def check_gguf(path: str | Path, name: str | None = None) -> GGUFHeader:
@@ -170,7 +173,8 @@ def check_gguf(path: str | Path, name: str | None = None) -> GGUFHeader:
                                  "exactly 'mistral' as a Mistral model, and then fails (the gguf package has no "
                                  "'mistral' tensor names); a file with any other name loads as the llama model it is")
     experts = header.metadata.get(f"{arch}.expert_count")
-    if experts:
+    from specrt.export.architectures import REGISTRY
+    if experts and not REGISTRY[model_type(arch)].experts_key:   # a Mixtral file is a llama one with experts
         raise UnknownSourceError(f"{name} is a {arch!r} GGUF file with a mixture of experts ({arch}.expert_count = "
                                  f"{experts}): not implemented from a GGUF file; export the model's checkpoint directory")
     refused: dict[str, list[str]] = {}

@@ -310,8 +310,16 @@ class gguf_tensors:
         return t
 
     def find(self, module: str) -> tuple[object | None, slice | None]:
-        """(the tensor of `module`, the rows of it that are the module's where the file fuses it with others)."""
+        """(the tensor of `module`, the rows of it that are the module's where the file fuses it with others, or
+        stacks a mixture's experts: `mlp.experts.{e}.gate_proj` is expert e's rows of `ffn_gate_exps` [E, N, K])."""
         head, _, last = module.rpartition(".")
+        experts, _, e = head.rpartition(".")
+        if experts.endswith(".mlp.experts") and e.isdigit():
+            t = self.get(f"{experts}.{last}")
+            if t is None:
+                return None, None
+            n = t.shape[-2]   # each expert's rows
+            return t, slice(int(e) * n, (int(e) + 1) * n)
         if last not in self.FUSED or not REGISTRY[self.spec["architecture"]].fused_projections:
             return self.get(module), None
         t = self.get(f"{head}.{self.FUSED[last]}")

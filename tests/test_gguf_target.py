@@ -33,20 +33,23 @@ QUIET = dict(log=lambda *_: None)
 TOL = 1e-4
 # the smallest shapes that K-quants allow: every weight's rows (its inputs) a multiple of 256
 H, I, HEADS, KV_HEADS, D, LAYERS, VOCAB, CONTEXT = 256, 256, 4, 2, 64, 2, 128, 96
+# a mixture's experts: transformers' GGUF loader reads no expert size, so its Qwen3-MoE config's default (768)
+EXPERTS, TOP_K, EXPERT_I = 4, 2, 768
 HEAD_DIM = {"qwen3": 128}   # transformers' GGUF loader reads no Qwen3 head size: its config's default, 128
 # transformers' GGUF loader reads no Gemma 3 layer pattern: its config's, every sixth layer global (as in Gemma 3)
-BLOCKS = {"gemma3": 6}
+BLOCKS = {"gemma3": 6, "qwen3moe": 1}   # one layer of experts: the time of a test
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 OWN_BLOCKS = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}   # kept exactly (export/quantize.py)
 # registered architecture -> (general.architecture, general.name): llama.cpp writes Mistral models as llama files,
 # which transformers reads as llama models (but for a file named exactly "mistral": see test_refused_by_name)
 GGUF_ARCH = {"llama": ("llama", "tiny"), "mistral": ("llama", "Mistral 7B Tiny"), "qwen2": ("qwen2", "tiny"),
              "qwen3": ("qwen3", "tiny"), "gemma2": ("gemma2", "tiny"), "gemma3_text": ("gemma3", "tiny"),
-             "phi3": ("phi3", "tiny")}
+             "phi3": ("phi3", "tiny"), "qwen3_moe": ("qwen3moe", "tiny")}
 
-# registered architectures without GGUF files here: the mixtures of experts (their files are refused by name) and
-# LFM2 (read from Hugging Face directories only)
-NO_GGUF = {name for name, arch in REGISTRY.items() if arch.experts_key or arch.conv}
+# registered architectures without GGUF files here: the mixtures of experts but Qwen3-MoE (transformers' loader reads
+# no other; a Mixtral file is a llama file with experts, refused by name) and LFM2 (read from Hugging Face
+# directories only)
+NO_GGUF = {name for name, arch in REGISTRY.items() if arch.experts_key and name != "qwen3_moe" or arch.conv}
 
 
 def test_every_architecture_has_a_gguf_file():
@@ -84,8 +87,8 @@ def _blocks(kind: str, rows: int, k: int, rng) -> np.ndarray:
 
 def _tensor(writer, name: str, w: np.ndarray, kind: str, rng) -> None:
     import gguf
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        data = _blocks(kind, *w.shape, rng)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):   # a mixture's stacked [E, N, K]: E * N rows
+        data = _blocks(kind, int(np.prod(w.shape[:-1])), w.shape[-1], rng).reshape(*w.shape[:-1], -1)
     elif kind == "F32":
         data = w.astype(np.float32)
     elif kind == "F16":
@@ -107,8 +110,14 @@ def _weights(arch: str, D: int, layers: int) -> list[tuple[str, tuple[int, ...]]
                       (f"blk.{i}.attn_output.weight", (H, HEADS * D)), (f"blk.{i}.ffn_up.weight", (2 * I, H))]
         else:
             names += [(f"blk.{i}.attn_q.weight", (HEADS * D, H)), (f"blk.{i}.attn_k.weight", (KV_HEADS * D, H)),
-                      (f"blk.{i}.attn_v.weight", (KV_HEADS * D, H)), (f"blk.{i}.attn_output.weight", (H, HEADS * D)),
-                      (f"blk.{i}.ffn_gate.weight", (I, H)), (f"blk.{i}.ffn_up.weight", (I, H))]
+                      (f"blk.{i}.attn_v.weight", (KV_HEADS * D, H)), (f"blk.{i}.attn_output.weight", (H, HEADS * D))]
+        if arch == "qwen3moe":   # the router and the experts' stacked projections
+            names += [(f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, H)), (f"blk.{i}.ffn_gate_exps.weight",
+                      (EXPERTS, EXPERT_I, H)), (f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_I, H)),
+                      (f"blk.{i}.ffn_down_exps.weight", (EXPERTS, H, EXPERT_I))]
+            continue
+        if arch != "phi3":
+            names += [(f"blk.{i}.ffn_gate.weight", (I, H)), (f"blk.{i}.ffn_up.weight", (I, H))]
         names.append((f"blk.{i}.ffn_down.weight", (H, I)))
     return names
 
@@ -119,7 +128,7 @@ def _vectors(arch: str, D: int, layers: int) -> list[tuple[str, int]]:
         names += [(f"blk.{i}.attn_norm.weight", H), (f"blk.{i}.ffn_norm.weight", H)]
         if arch.startswith("gemma"):
             names += [(f"blk.{i}.post_attention_norm.weight", H), (f"blk.{i}.post_ffw_norm.weight", H)]
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             names += [(f"blk.{i}.attn_q_norm.weight", D), (f"blk.{i}.attn_k_norm.weight", D)]
         if arch == "qwen2":
             names += [(f"blk.{i}.attn_q.bias", HEADS * D), (f"blk.{i}.attn_k.bias", KV_HEADS * D),
@@ -153,6 +162,10 @@ def write_gguf(path, arch: str, seed: int = 0, types: list[str] | None = None, c
     w.add_value_length(D)
     if gguf_arch.startswith("gemma"):
         w.add_sliding_window(8)   # shorter than the tests' prompt and generation
+    if gguf_arch == "qwen3moe":
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(TOP_K)
+        w.add_expert_feed_forward_length(EXPERT_I)
     for key, value in (metadata or {}).items():
         (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
     tokens, merges = _tokens()
@@ -299,12 +312,12 @@ def test_int4_keeps_the_files_blocks(gguf_set, tmp_path):
     path, directory, _ = gguf_set
     spec = json.loads((directory / "manifest.json").read_text())["models"]["target"]
     counts = quantize_target(directory / "target.onnx", tmp_path / "q.onnx", spec, "int4")
-    tensors = [t for t in read_header(path).tensors if len(t.shape) == 2]
+    tensors = [t for t in read_header(path).tensors if len(t.shape) >= 2]
     tied = all(t.name != "output.weight" for t in tensors)
     own, requantized, matmuls_own = {}, {}, 0
-    for t in tensors:   # the graph's MatMuls of each tensor, and the embedding's Gather (blocks where Q8_0)
+    for t in tensors:   # the graph's MatMuls of each tensor (one an expert), the embedding's Gather (blocks if Q8_0)
         n = 3 if "attn_qkv" in t.name else 2 if "ffn_up" in t.name and spec["architecture"] == "phi3" else \
-            int(tied) if t.name == "token_embd.weight" else 1
+            int(tied) if t.name == "token_embd.weight" else t.shape[0] if len(t.shape) == 3 else 1
         gather = t.name == "token_embd.weight" and t.type == "Q8_0"
         if t.type in OWN_BLOCKS and n + gather:
             own[t.type] = own.get(t.type, 0) + n + gather
