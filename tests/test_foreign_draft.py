@@ -212,3 +212,22 @@ def test_verify_command(foreign):
                                     "--max-new-tokens", "8", "--samples", "1500", "--temperature", "1.0"])
     assert out.exit_code == 0, out.output
     assert "p = " in out.output and out.output.strip().endswith("PASS")
+
+
+def test_a_tokenizer_the_map_cannot_read_is_refused_by_name():
+    """A WordPiece tokenizer (its `##` pieces are not bytes the map knows how to spell) is refused, naming its
+    decoder and the fix; so is a pair with no token in common."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    from specrt.decoding.vocab_map import build
+    from specrt.errors import InputError
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    t_tok, _ = target_tokenizer()
+    with pytest.raises(InputError, match="the draft's tokenizer decodes with WordPiece: .* use a drafter of the "
+                                         "target's vocabulary"):
+        build(t_tok, PreTrainedTokenizerFast(tokenizer_object=wordpiece), 64, 3)
+    disjoint = Tokenizer(models.BPE({"<0x01>": 0}, [], byte_fallback=True))
+    disjoint.decoder = decoders.ByteFallback()
+    with pytest.raises(InputError, match="share no token"):
+        build(t_tok, PreTrainedTokenizerFast(tokenizer_object=disjoint), 64, 1)
