@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from specrt.export.hybrid import cache_layers
+
 LOW = 0.1            # below this, the export warns
 NEW_TOKENS = 12      # per prompt
 PROMPTS = (          # short, of the kinds chat drafters are trained on
@@ -85,7 +87,7 @@ def measure(target, propose: Propose, prompts: list[list[int]], new_tokens: int 
 
 
 def empty_caches(a) -> list[torch.Tensor]:
-    return [torch.zeros(1, a.num_kv_heads, 1, a.head_dim) for _ in range(2 * a.num_layers)]
+    return [torch.zeros(1, a.num_kv_heads, 1, a.head_dim) for _ in range(2 * cache_layers(a))]
 
 
 def causal(S: int) -> torch.Tensor:
@@ -103,7 +105,7 @@ def greedy(target, prompt: list[int], new_tokens: int, eos: tuple[int, ...] = ()
     """`prompt` and the target's greedy continuation, through static caches written at `past_len`."""
     a = target.args
     length = len(prompt) + new_tokens
-    caches = [torch.zeros(1, a.num_kv_heads, length, a.head_dim) for _ in range(2 * a.num_layers)]
+    caches = [torch.zeros(1, a.num_kv_heads, length, a.head_dim) for _ in range(2 * cache_layers(a))]
     ids, step, past = list(prompt), list(prompt), 0
     while len(ids) < length:
         S = len(step)

@@ -65,14 +65,15 @@ class ShortConv(nn.Module):
         self.taps = nn.Parameter(torch.zeros(a.conv_kernel, d))
         self.bias = nn.Parameter(torch.zeros(d)) if a.conv_bias else None
 
-    def forward(self, x, taps, caches):                                 # x (B, S, d); caches: 2n (B, Hkv, T, D)
+    def forward(self, x, taps, past_len, caches):                       # x (B, S, d); caches: 2n (B, Hkv, T, D)
         B, S, d = x.shape
         b, c, h = self.in_proj(x).chunk(3, dim=-1)                      # (B, S, d) each
         u = b * h                                                       # (B, S, d): the conv's input
         Hkv, D = caches[0].shape[1], caches[0].shape[3]
         M = len(taps) * S
         q = torch.cat([t[0] for t in taps], 1)                          # (B, M): the earlier positions
-        at = q.clamp(min=0)[:, None, :, None].expand(B, Hkv, M, D)
+        at = torch.minimum(q, past_len[:, None] - 1).clamp(min=0)       # (B, M): in the cache (the others unused)
+        at = at[:, None, :, None].expand(B, Hkv, M, D)
         stored = torch.cat([cache.gather(2, at) for cache in caches], 1)   # (B, 2n*Hkv, M, D)
         stored = stored.transpose(1, 2).reshape(B, len(taps), S, -1)[..., :d]   # (B, K-1, S, d)
         window = []

@@ -205,7 +205,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, past_len, tree_mask, *caches, taps=None):
         """-> x and the new cache entries: keys and values, or a conv layer's inputs (`taps`: hybrid.conv_taps)."""
         if taps is not None:
-            h, *new = self.conv(self.input_layernorm(x), taps, caches)
+            h, *new = self.conv(self.input_layernorm(x), taps, past_len, caches)
         else:
             h, *new = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, *caches)
         if not self.sandwich:
