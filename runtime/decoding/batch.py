@@ -356,10 +356,8 @@ class Batch:
             g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
         constrained = any(row.matcher is not None for row in run.rows)
-        # the draft model's cache catches up on one token a round it skips: it drafts forced tokens itself (masked)
-        catches_up = getattr(drafter, "name", None) != "draft"
         forced = None
-        if constrained and tree is not None and g and catches_up:
+        if constrained and g:
             forced = self._forced(every=2)   # a forced run in every live row: one pass takes it, no drafter's
             g = 0 if forced is not None else g
         proposal = self._propose(g) if drafter and g else None
@@ -370,7 +368,7 @@ class Batch:
             proposal, kept, refused = steering.steer_tree(proposal, run.rows, active)
             run.refused += refused
             g = g if proposal is not None else 0
-        if proposal is None and forced is None and constrained and catches_up:
+        if proposal is None and forced is None and constrained:
             forced = self._forced()   # a plain round takes what the grammars force in its one pass
         if proposal is None:
             g, proposal = 0, forced or run.inputs(run.batch, 1).empty
@@ -378,6 +376,8 @@ class Batch:
         host = gen._verify(run, proposal)
         drafts = self._drafted(proposal, host) if g and any(row.round_log is not None for row in run.rows) else None
         accepted, proposed = gen._account(run, host, drafted=forced is None, drafts=drafts)
+        if not g:   # the drafters' caches catch up on these tokens (a forced run's too) at their next proposal
+            run.skipped += max(r[0] + 1 for r, a in zip(host, active) if a)
         if drafter is not None:
             if kept is not None and run.host_pass is not None:   # the drafter's own node ids
                 run.host_pass = steering.original_ids(run.host_pass, kept)

@@ -146,9 +146,9 @@ class RowlessDrafter:
 
 class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
-    least the first n−2−s tokens of a row of length n, where s counts the rounds it did not propose in since
-    its last proposal (plain target steps, one token each), so a round feeds the last 2+s tokens, then γ−1
-    more. A drafter of another vocabulary (`vocab_map`, see vocab_map.py) reads each target token as the drafter
+    least the first n−2−s tokens of a row of length n, where s counts the tokens of the rounds it did not propose
+    in since its last proposal (plain target steps, one token each, or a grammar's forced runs: run.skipped), so a
+    round feeds the last 2+s tokens, then γ−1 more. A drafter of another vocabulary (`vocab_map`, see vocab_map.py) reads each target token as the drafter
     tokens of its bytes, its cache in its own positions (a row's position of target token k: the drafter tokens of
     the k before it), and drafts target tokens from its logits over the shared ones."""
 
@@ -165,7 +165,7 @@ class DraftModelDrafter:
     def _make_pool(self, run) -> None:
         if self.pool is None:   # another vocabulary's tokens: up to twice the target's (its graph's max_seq_len)
             self.pool = self.engine.new_cache(run.capacity, run.cache_len * (1 if self.vocab_map is None else 2))
-            self.next_round = run.rounds   # the round whose proposal the cache is ready for
+            self.skip_mark = run.skipped   # run.skipped when the cache was last ready for a proposal
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
         """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
@@ -225,7 +225,7 @@ class DraftModelDrafter:
         B, smax, dev = run.batch, run.max_len, run.device
         # a row that joined after the last proposal may be shorter than w: it is fed from its start (one round of
         # poor drafts for it, its cache right again after); w never exceeds the longest row
-        w = min(2 + run.rounds - self.next_round, max(run.host_lengths.tolist()))
+        w = min(2 + run.skipped - self.skip_mark, max(run.host_lengths.tolist()))
         self.cache = self.pool.prefix(B)
         if self.vocab_map is not None:   # each row's target tokens from its cache's end, then γ−1 single tokens
             first = [run.host_tokens[b, max(n - w, 0):n].tolist() for b, n in enumerate(run.host_lengths.tolist())]
@@ -233,7 +233,7 @@ class DraftModelDrafter:
                          for b, n in enumerate(run.host_lengths.tolist())]
             if max(p + len(self.vocab_map.expand(f)) for p, f in zip(self.past, first)) + gamma > self.cache.length:
                 return Proposal.empty(B, dev)   # past the end of its cache: plain steps from here
-        self.next_round = run.rounds + 1
+        self.skip_mark = run.skipped
         on_host = self.vocab_map is None and self.cache.host_data is not None and self.tree is None
         if on_host and (run.params.greedy or run.params.plain):
             return self._propose_on_host(run, gamma, w)

@@ -141,6 +141,7 @@ class _Run:
         self.path_start: torch.Tensor | None = None   # (B,) the position of path_hidden[:, 0] (the last round's root)
         self.rounds = self.proposed = self.accepted = 0
         self.forced = 0                                # tokens committed as the rows' grammars forced them
+        self.skipped = 0   # tokens of the rounds no drafter proposed in (the most any row took in each): catch-up
         self.refused = 0                               # tree nodes the rows' grammars refused (never verified)
         self.per_position: list[list[int]] = []       # [accepted, proposed] per draft position
         self.round_logprobs: dict[int, list[TokenLogprob]] = {}   # row -> the round's tokens', for _account
