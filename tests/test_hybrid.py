@@ -13,7 +13,9 @@ from specrt.decoding.generate import Generator
 from specrt.decoding.sampling import SamplingParams
 from specrt.errors import UnknownSourceError
 from specrt.export.architectures import architecture_of
+from specrt.export.acceptance import greedy
 from specrt.export.build import build
+from specrt.export.model import from_hf
 from specrt.export.pipeline import export_engines
 from test_graph_parity import PARENTS, hf_logits, path, tree_mask
 from test_speculative import N, P_MIN, V, chi_square_p, exact_joint
@@ -116,6 +118,15 @@ def test_greedy_equals_transformers_generate(hybrid):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
         assert_same_or_tie(ours, ref.tolist(), prompt, model)
+
+
+def test_the_export_checks_run_the_model_eagerly(hybrid):
+    """The export's acceptance check (EAGLE, Medusa) decodes with the eager graph over caches of its own sizing."""
+    _, model = hybrid
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert greedy(from_hf(model, 16), prompt, 8) == ref
 
 
 @pytest.mark.parametrize("kw", [dict(method="draft", gamma=3), dict(method="draft", tree=True),
