@@ -1,7 +1,7 @@
 """Target engines with quantized weights (`specrt build --target-weights int4|int8`).
 
-int8: every MatMul with a constant weight becomes MatMulNBits with 8 bits (blocks of 32, int8 activations per
-block and per token). int4: every MatMul with a constant weight becomes ONNX Runtime's `com.microsoft::MatMulNBits`
+int8: every MatMul with a constant weight (but a mixture's router, kept float32) becomes MatMulNBits with 8 bits
+(blocks of 32, int8 activations per block and per token). int4: every MatMul with a constant weight becomes ONNX Runtime's `com.microsoft::MatMulNBits`
 (blocks of 32 weights along K, a float scale and a uint8 zero point per block, int8 activations per block and per
 token). A target exported from a GGUF file (the manifest's `gguf` entry) keeps the file's own quantized values
 where its blocks map exactly:
@@ -46,6 +46,9 @@ BLOCK = 32
 # against 16 ms (SmolLM2-135M, 2 cores); 8-bit weights are dequantized whole on every call (50x slower).
 ACCURACY_LEVEL = {4: 4, 8: 4}
 MS = "com.microsoft"
+# a mixture's router ([E, d], small) stays float32, as llama.cpp keeps ffn_gate_inp: 4-bit scores would move tokens
+# to other experts than the float32 target's
+ROUTER = "/mlp/gate/MatMul"
 
 
 def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
@@ -65,13 +68,14 @@ def quantize_target(graph: Path, out: Path, spec: dict, weights: str) -> dict:
     if gguf:
         counts, added = gguf_blocks(model, tensors, spec)
     inits = {t.name: t for t in model.graph.initializer}
+    routers = [n.name for n in model.graph.node if n.name.endswith(ROUTER)]
     standard = [n.name for n in model.graph.node
-                if n.op_type == "MatMul" and n.name not in added and n.input[1] in inits]
+                if n.op_type == "MatMul" and n.name not in added and n.name not in routers and n.input[1] in inits]
     origin = {n.output[0]: (n.input[1], tensors.kind(_module(n.name)) if tensors else None)   # y -> (w, GGUF type)
               for n in model.graph.node if n.name in standard}
     if standard:   # MatMuls only: its int4 Gather needs opset 21, these graphs are opset 17
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=False,
-                                 accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added),
+                                 accuracy_level=ACCURACY_LEVEL[bits], nodes_to_exclude=sorted(added | set(routers)),
                                  op_types_to_quantize=("MatMul",))
         q.node_quantizer.quantize = _one_weight_at_a_time(q.node_quantizer.quantize, inits, graph.parent)
         quiet = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -178,7 +182,8 @@ def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> 
     axes = numpy_helper.from_array(np.array([-1], np.int64), "gguf_axes")
     new_nodes, new_inits, counts, added, done, block_sums = [], [axes], Counter(), set(), set(), {}
     for node in graph.node:
-        t, part = tensors.find(_module(node.name)) if node.op_type in ("MatMul", "Gather") else (None, None)
+        quantized = node.op_type in ("MatMul", "Gather") and not node.name.endswith(ROUTER)
+        t, part = tensors.find(_module(node.name)) if quantized else (None, None)
         w = _weight(model, node) if t is not None else None
         if w is None or t.tensor_type.name not in KINDS or (node.op_type == "Gather" and t.tensor_type.name != "Q8_0"):
             new_nodes.append(node)

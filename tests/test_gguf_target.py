@@ -317,7 +317,8 @@ def test_int4_keeps_the_files_blocks(gguf_set, tmp_path):
     own, requantized, matmuls_own = {}, {}, 0
     for t in tensors:   # the graph's MatMuls of each tensor (one an expert), the embedding's Gather (blocks if Q8_0)
         n = 3 if "attn_qkv" in t.name else 2 if "ffn_up" in t.name and spec["architecture"] == "phi3" else \
-            int(tied) if t.name == "token_embd.weight" else t.shape[0] if len(t.shape) == 3 else 1
+            int(tied) if t.name == "token_embd.weight" else t.shape[0] if len(t.shape) == 3 else \
+            0 if "ffn_gate_inp" in t.name else 1   # a mixture's router stays float32
         gather = t.name == "token_embd.weight" and t.type == "Q8_0"
         if t.type in OWN_BLOCKS and n + gather:
             own[t.type] = own.get(t.type, 0) + n + gather

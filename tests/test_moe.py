@@ -107,6 +107,20 @@ def test_the_memory_estimate_counts_every_expert(tmp_path):
     assert memory.parameters(str(tmp_path / "src")) == sum(p.numel() for p in model.parameters())
 
 
+def test_int4_quantizes_every_expert_and_keeps_the_router_float(tiny_engines, tmp_path):
+    """An int4 build: each expert's MatMuls in 4-bit blocks, the routers' in float32 (as llama.cpp keeps them)."""
+    import shutil
+    import onnx
+    from specrt.export.build import build
+    directory, model = tiny_engines["mixtral"]
+    shutil.copytree(directory, tmp_path / "int4", ignore=shutil.ignore_patterns("*.ort.onnx*"))
+    build(tmp_path / "int4", "onnxruntime", target_weights="int4", log=lambda *_: None)
+    nodes = onnx.load(str(tmp_path / "int4" / "target.ort.onnx"), load_external_data=False).graph.node
+    ops = Counter((n.op_type, "experts" in n.name) for n in nodes if "/mlp/" in n.name and "MatMul" in n.op_type)
+    E, L = model.config.num_local_experts, model.config.num_hidden_layers
+    assert ops == {("MatMul", False): L, ("MatMulNBits", True): 2 * E * L}   # gate/up merged, down
+
+
 def test_cli_exports_builds_and_generates_a_mixture(tmp_path):
     """`specrt export` of a Mixtral checkpoint directory, `specrt build`, `specrt generate`: transformers' greedy."""
     from specrt.cli import main
