@@ -111,7 +111,7 @@ def test_forced_tokens_ride_in_the_rounds_passes(default_generator, monkeypatch)
     fast = gen.generate(prompt, max_new_tokens=64, method="autoregressive", grammar=("json_schema", PERSON))
     assert fast.stats["forced_tokens"] > 0 and fast.stats["rounds"] < len(fast.token_ids[0]) - 1
     drafted = gen.generate(prompt, max_new_tokens=64, method="ngram", grammar=("json_schema", PERSON))
-    monkeypatch.setattr(Batch, "_forced", lambda self: None)
+    monkeypatch.setattr(Batch, "_forced", lambda self, every=0: None)
     monkeypatch.setattr(Batch, "_steer", lambda self, proposal, g: proposal)
     slow = gen.generate(prompt, max_new_tokens=64, method="autoregressive", grammar=("json_schema", PERSON))
     assert slow.stats["rounds"] == len(slow.token_ids[0]) - 1 and slow.stats["forced_tokens"] == 0
@@ -163,6 +163,25 @@ def tiny(tmp_path_factory):
     directory, model = export_tiny(tmp, "llama", seed=1, draft=draft, vocab=TINY_V, init=0.3, max_seq_len=48,
                                    medusa=tmp / "heads")
     return Generator.from_engines(directory), model, tok, compile_grammar(tok, "regex", TINY_REGEX)
+
+
+def test_the_draft_model_catches_up_after_forced_rounds(tiny, tmp_path_factory, monkeypatch):
+    """A plain round takes what the grammar forces (`=xyxy`) with the token after it: six tokens the draft model did
+    not see. With draft = target its chain is accepted in full only if its cache caught up on all of them
+    (run.skipped counts tokens, not rounds)."""
+    from specrt.decoding.adaptive import GammaPolicy
+    _, model, tok, _ = tiny
+    g = compile_grammar(tok, "regex", "[ab]{2}=xyxy[cd]{10}")
+    directory, _ = export_tiny(tmp_path_factory.mktemp("self"), "llama", seed=1, draft=model, vocab=TINY_V, init=0.3,
+                               max_seq_len=48)
+    gen = Generator.from_engines(directory)
+    choices = iter([0] + [2] * 20)
+    monkeypatch.setattr(GammaPolicy, "choose", lambda self: next(choices))
+    prompt = tok("ab=cdxba=dcy")["input_ids"]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive", grammar=g)
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="draft", grammar=g)
+    assert out.token_ids == ref.token_ids and out.stats["forced_tokens"] >= 5
+    assert out.stats["acceptance_rate"] == 1.0
 
 
 def test_chains_stop_at_the_first_draft_the_grammar_refuses(tiny):
