@@ -120,3 +120,39 @@ def test_a_queued_request_moved_down_starts_from_an_empty_row(default_generator,
     for owner, ids in (("c", prompts[2]), ("d", prompts[0])):
         alone = default_generator.generate(prompt_ids=ids, max_new_tokens=8, method="autoregressive").token_ids[0]
         assert outputs[owner] == alone, owner
+
+
+
+
+def test_a_row_without_acceptance_takes_plain_steps_beside_a_drafting_row(default_generator, smollm2):
+    """Per-row budgets (prompt lookup): one prompt asks to copy a text (its lookups are accepted), the other's
+    answer does not continue its lookups. In one batch the poor row takes plain steps (no drafts in the round's
+    proposal) in rounds where its neighbour drafts, and only once its own drafts were refused; each row's greedy
+    output is its lone autoregressive one."""
+    prompts = [default_generator.encode(p) for p in (
+        "Copy this text exactly: Alice was beginning to get very tired of sitting by her sister on the bank, and of "
+        "having nothing to do: once or twice she had peeped into the book her sister was reading, but it had no "
+        "pictures or conversations in it.",
+        "Scrambled words: moon the of and sea a is in to it the of and. Put them aside and explain in one paragraph "
+        "why the sky is blue.")]
+    new = (64, 20)   # the copy runs on beside the other till its end
+    batch = default_generator.batch(2, method="ngram")
+    for i, ids in enumerate(prompts):
+        batch.join(ids, new[i], owner=i, rounds=True)
+    while batch.joining:
+        batch.prefill()
+    good, poor = batch.run.rows
+    outputs, apart = {}, []
+    while len(batch.run.rows) == 2 and all(batch.run.active):
+        refused = poor.proposed > 0 and poor.accepted == 0
+        batch.step()
+        if batch.drafting == [True, False]:
+            apart.append((refused, poor.round_log[-1].drafted, good.round_log[-1].drafted))
+        outputs.update((row.owner, tokens) for row, tokens in batch.retire())
+    batch.cancel(lambda owner: True)   # the copy's tokens so far are enough
+    outputs.update((row.owner, tokens) for row, tokens in batch.retire())
+    assert len(apart) >= 3 and all(refused and not mine for refused, mine, _ in apart), apart
+    assert any(theirs for *_, theirs in apart) and good.accepted > good.proposed / 2 and poor.accepted == 0
+    lone = [default_generator.generate(prompt_ids=p, max_new_tokens=len(outputs[i]), method="autoregressive")
+            .token_ids[0] for i, p in enumerate(prompts)]
+    check([outputs[0], outputs[1]], lone, prompts, smollm2.model)

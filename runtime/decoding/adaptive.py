@@ -98,6 +98,37 @@ class GammaPolicy:
         self.chosen.append(best)
         return best
 
+    def saturated(self) -> bool:
+        """Whether no acceptance pays for a draft at these costs: γ + 1 tokens, each draft accepted, in a round that
+        costs more than γ + 1 plain steps (a large batch on a CPU). Then no round drafts, not even a probe."""
+        step = self.costs.verify[1]
+        return all((g + 1) * step <= self.costs.round_time(g) for g in range(1, self.max_gamma + 1))
+
+    def choose_rows(self, alphas: list[float | None], probing: list[bool]) -> tuple[int, list[bool]]:
+        """Per-row budgets: γ for the round and which rows draft, from each row's own acceptance α_r (None: the row
+        takes no part). A row drafts where its γ drafts pay for the round they widen at the batch's costs,
+        E[N](α_r, γ) · verify(1) ≥ round_time(γ), or where it probes (`probing`: its acceptance is measured anew);
+        the others take a plain step in the same pass. γ maximises the batch's expected tokens per second: E[N] of
+        each drafting row, 1 of each other. No γ where a row drafts: a plain round, probing as choose() does."""
+        costs, step, live = self.costs, self.costs.verify[1], [a is not None for a in alphas]
+        best, best_rate, best_rows = 0, live.count(True) / step, [False] * len(alphas)
+        for g in range(1, self.max_gamma + 1):
+            t = costs.round_time(g)
+            gains = [expected_tokens(min(a, 0.999), g) if a is not None else 0.0 for a in alphas]
+            rows = [e * step >= t for e in gains]
+            rate = sum(e if r else float(a) for e, r, a in zip(gains, rows, live)) / t
+            if any(rows) and rate > best_rate:
+                best, best_rate, best_rows = g, rate, rows
+        if best == 0:
+            self.idle += 1
+            if self.idle % self.probe_every == 0:
+                best, best_rows = 1, live
+        else:
+            self.idle = 0
+            best_rows = [r or (p and a) for r, p, a in zip(best_rows, probing, live)]
+        self.chosen.append(best)
+        return best, best_rows
+
 
 @dataclass
 class TreePolicy:

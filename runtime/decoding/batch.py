@@ -76,6 +76,7 @@ class Batch:
             last = gen._tree_policies.get((method, regime)) or gen._tree_policies.get((method, params.greedy))
             self.trees = gen._tree_policies[(method, regime)] = last.following() if last else TreePolicy()
         self._costs_for = 1   # the batch size the policy's costs are for (gen.costs() above)
+        self.drafting = None  # this round's rows that draft (per-row budgets, _chain_gamma); None: every row
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
@@ -353,7 +354,7 @@ class Batch:
         else:
             if self.policy is not None and n != self._costs_for:   # the costs at this batch size
                 self.policy.costs, self._costs_for = self._chain_costs(n), n
-            g = self.policy.choose() if self.policy else self.gamma or MAX_GAMMA
+            g = self._chain_gamma(active, live) if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
         constrained = any(row.matcher is not None for row in run.rows)
         forced = None
@@ -361,6 +362,8 @@ class Batch:
             forced = self._forced(every=2)   # a forced run in every live row: one pass takes it, no drafter's
             g = 0 if forced is not None else g
         proposal = self._propose(g) if drafter and g else None
+        if proposal is not None and tree is None and self.drafting is not None and not all(self.drafting):
+            proposal = _only(proposal, self.drafting)
         kept = None   # a tree the grammars pruned: its nodes' ids in the drafter's tree
         if constrained and proposal is not None and proposal.tree is None:
             proposal = self._steer(proposal, g)
@@ -478,6 +481,23 @@ class Batch:
                         self.draft_failures, exc_info=self.draft_failures == 1)
             return None
 
+    def _chain_gamma(self, active: list[bool], live: int) -> int:
+        """γ of a chain round, and which rows draft (self.drafting). One live row: the policy's γ from the
+        acceptance. Several: per-row budgets (GammaPolicy.choose_rows), each row's acceptance its own drafts' shrunk
+        toward the batch's (worth one draft), a row probing on every `probe_every`-th round of its own. A saturated batch: a plain
+        round, without the drafter or any per-row work."""
+        policy, self.drafting = self.policy, None
+        if live == 1:
+            return policy.choose()
+        if policy.saturated():
+            policy.chosen.append(0)
+            return 0
+        a = policy.alpha   # the batch's, worth one draft of the row's own
+        alphas = [(r.accepted + a) / (r.proposed + 1) if on else None for r, on in zip(self.run.rows, active)]
+        probing = [r.rounds % policy.probe_every == 0 for r in self.run.rows]
+        g, self.drafting = policy.choose_rows(alphas, probing)
+        return g
+
     def _chain_costs(self, n: int) -> Costs:
         """What a chain round costs with n rows live: the target's passes and, for the draft model, its step;
         prompt lookup drafts on the host in microseconds (charged the draft model's step, 5 % of a target pass on
@@ -568,6 +588,13 @@ class Batch:
         logprobs = [r.logprobs for r in rows] if any(r.logprobs_top is not None for r in rows) else None
         rounds = [r.round_log for r in rows] if any(r.round_log is not None for r in rows) else None
         return Generation(new, text, stats, logprobs, rounds)
+
+
+def _only(proposal: Proposal, rows: list[bool]) -> Proposal:
+    """A chain proposal whose rows not in `rows` have no drafts (a plain step for them in the same pass)."""
+    keep = torch.tensor(rows, device=proposal.valid.device)[:, None]                  # (B, 1)
+    host = proposal.host and (proposal.host[0], [w if r else 0 for w, r in zip(proposal.host[1], rows)])
+    return Proposal(proposal.tokens, proposal.q, proposal.valid & keep, None, host)
 
 
 class Detokenizer:
