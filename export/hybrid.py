@@ -41,53 +41,51 @@ def cache_layers(a) -> int:
     return cache_index(a)[-1]
 
 
-def conv_taps(position_ids, tree_mask, K: int) -> list[tuple]:
-    """For t = K - 1 .. 1, where each new token's input at position p - t is: (q, j, in_pass), q = p - t (B, S)
-    the position, j (B, S) the pass's node at q that the token sees, in_pass (B, S) whether there is one."""
-    taps = []
-    for t in range(K - 1, 0, -1):
+def conv_taps(position_ids, past_len, tree_mask, a) -> tuple:
+    """Once per graph, where each new token's K - 1 earlier conv inputs are: (at, picks). at (B, Hkv, (K-1)*S, D):
+    the cache slots to read (p - t, below past_len; tap-major). picks, for t = K - 1 .. 1: j (B, S, d) the pass's
+    node at p - t that the token sees, in_pass (B, S, 1) whether there is one, before (B, S, 1) p - t < 0."""
+    B, S = position_ids.shape
+    qs, picks = [], []
+    for t in range(a.conv_kernel - 1, 0, -1):
         q = position_ids - t                                                        # (B, S)
         seen = tree_mask & (position_ids.unsqueeze(1) == q.unsqueeze(2))           # (B, S, S): j at q, visible
         seen = seen.to(torch.float32)
-        taps.append((q, seen.argmax(-1), seen.amax(-1) > 0))
-    return taps
+        j = seen.argmax(-1).unsqueeze(-1).expand(B, S, a.hidden_size)               # (B, S, d)
+        picks.append((j, (seen.amax(-1) > 0).unsqueeze(-1), (q < 0).unsqueeze(-1)))
+        qs.append(q)
+    at = torch.minimum(torch.cat(qs, 1), past_len[:, None] - 1).clamp(min=0)       # (B, M): the others unused
+    return at[:, None, :, None].expand(B, a.num_kv_heads, len(qs) * S, a.head_dim), picks
 
 
 class ShortConv(nn.Module):
-    """LFM2's conv layer (transformers' Lfm2ShortConv); `taps` (K, d) holds the depthwise kernel, tap k reading the
-    input K - 1 - k positions back."""
+    """LFM2's conv layer (transformers' Lfm2ShortConv): its in_proj [B; C; x] as three projections of one input
+    (merged into one MatMul by the CPU build); `taps` (K, d) holds the depthwise kernel, tap k reading the input
+    K - 1 - k positions back."""
 
     def __init__(self, a):
         super().__init__()
-        d, self.pairs = a.hidden_size, conv_pairs(a)
-        self.in_proj = nn.Linear(d, 3 * d, bias=a.conv_bias)
+        d, self.pairs, self.heads = a.hidden_size, conv_pairs(a), (a.num_kv_heads, a.head_dim)
+        self.b_proj, self.c_proj, self.x_proj = (nn.Linear(d, d, bias=a.conv_bias) for _ in range(3))
         self.out_proj = nn.Linear(d, d, bias=a.conv_bias)
         self.taps = nn.Parameter(torch.zeros(a.conv_kernel, d))
         self.bias = nn.Parameter(torch.zeros(d)) if a.conv_bias else None
 
-    def forward(self, x, taps, past_len, caches):                       # x (B, S, d); caches: 2n (B, Hkv, T, D)
+    def forward(self, x, taps, caches):                                 # x (B, S, d); caches: 2n (B, Hkv, T, D)
         B, S, d = x.shape
-        b, c, h = self.in_proj(x).chunk(3, dim=-1)                      # (B, S, d) each
-        u = b * h                                                       # (B, S, d): the conv's input
-        Hkv, D = caches[0].shape[1], caches[0].shape[3]
-        M = len(taps) * S
-        q = torch.cat([t[0] for t in taps], 1)                          # (B, M): the earlier positions
-        at = torch.minimum(q, past_len[:, None] - 1).clamp(min=0)       # (B, M): in the cache (the others unused)
-        at = at[:, None, :, None].expand(B, Hkv, M, D)
+        at, picks = taps
+        u = self.b_proj(x) * self.x_proj(x)                             # (B, S, d): the conv's input
+        (Hkv, D), n = self.heads, 2 * self.pairs
         stored = torch.cat([cache.gather(2, at) for cache in caches], 1)   # (B, 2n*Hkv, M, D)
-        stored = stored.transpose(1, 2).reshape(B, len(taps), S, -1)[..., :d]   # (B, K-1, S, d)
-        window = []
-        for k, (q, j, in_pass) in enumerate(taps):
-            mine = u.gather(1, j.unsqueeze(-1).expand(B, S, d))         # (B, S, d): the pass's own node
-            cached = torch.where((q >= 0).unsqueeze(-1), stored[:, k], torch.zeros_like(u))
-            window.append(torch.where(in_pass.unsqueeze(-1), mine, cached))
-        window = torch.stack(window + [u], 2)                           # (B, S, K, d)
-        y = (window * self.taps).sum(2)                                 # (B, S, d)
+        stored = stored.transpose(1, 2).reshape(B, len(picks), S, -1)[..., :d]   # (B, K-1, S, d)
+        window = [torch.where(in_pass, u.gather(1, j), stored[:, k].masked_fill(before, 0.0))
+                  for k, (j, in_pass, before) in enumerate(picks)]     # each (B, S, d)
+        y = (torch.stack(window + [u], 2) * self.taps).sum(2)          # (B, S, K, d) -> (B, S, d)
         if self.bias is not None:
             y = y + self.bias
-        new = nn.functional.pad(u, (0, 2 * self.pairs * Hkv * D - d))   # (B, S, 2n*Hkv*D)
-        new = new.view(B, S, 2 * self.pairs, Hkv, D).permute(2, 0, 3, 1, 4)   # (2n, B, Hkv, S, D)
-        return (self.out_proj(c * y), *new.unbind(0))
+        new = u if n * Hkv * D == d else nn.functional.pad(u, (0, n * Hkv * D - d))   # (B, S, 2n*Hkv*D)
+        new = new.view(B, S, n, Hkv, D).permute(2, 0, 3, 1, 4)         # (2n, B, Hkv, S, D)
+        return (self.out_proj(self.c_proj(x) * y), *new.unbind(0))
 
 
 RENAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
@@ -98,11 +96,16 @@ RENAMES = {".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attentio
 
 
 def lfm2_weights(state: dict) -> dict:
-    """An LFM2 state dict under SpecModel's names; the conv kernel [d, 1, K] as `conv.taps` [K, d]."""
+    """An LFM2 state dict under SpecModel's names; the conv's in_proj split in three, its kernel [d, 1, K] as
+    `conv.taps` [K, d]."""
     out = {}
     for key, value in state.items():
         if key.endswith(".conv.conv.weight"):
             out[key.replace(".conv.conv.weight", ".conv.taps")] = value[:, 0, :].t().contiguous()
+            continue
+        if ".conv.in_proj." in key:   # rows [B; C; x]
+            for name, part in zip(("b_proj", "c_proj", "x_proj"), value.chunk(3, dim=0)):
+                out[key.replace("in_proj", name)] = part
             continue
         for old, new in RENAMES.items():
             key = key.replace(old, new)

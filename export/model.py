@@ -205,7 +205,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, past_len, tree_mask, *caches, taps=None):
         """-> x and the new cache entries: keys and values, or a conv layer's inputs (`taps`: hybrid.conv_taps)."""
         if taps is not None:
-            h, *new = self.conv(self.input_layernorm(x), taps, past_len, caches)
+            h, *new = self.conv(self.input_layernorm(x), taps, caches)
         else:
             h, *new = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, *caches)
         if not self.sandwich:
@@ -249,7 +249,7 @@ class SpecModel(nn.Module):
         if self.local_cos is not None:
             rotations.append((self.local_cos[position_ids].unsqueeze(1), self.local_sin[position_ids].unsqueeze(1)))
         new_kv, aux, conv = [], {}, self.args.conv_layers
-        taps = conv_taps(position_ids, tree_mask, self.args.conv_kernel) if any(conv) else None
+        taps = conv_taps(position_ids, past_len, tree_mask, self.args) if any(conv) else None
         start = cache_index(self.args)
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:

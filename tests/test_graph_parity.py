@@ -96,7 +96,7 @@ def test_tiny_engines_are_fused(tiny_engines, arch):
     norms = 1 + 2 * attn * arch.qk_norm + 2 * layers * arch.sandwich_norms
     mlps = sum(a.num_experts if sparse else 1 for sparse in a.sparse_layers or [False] * layers)   # each expert's
     assert engine["fused"] == {"rotary": 2 * attn, "attention": attn, "norm": norms, "skip_norm": 2 * layers,
-                               "projections": 3 * attn + 2 * mlps}   # q/k/v and gate/up merged
+                               "projections": 3 * layers + 2 * mlps}   # q/k/v (a conv's B/C/x) and gate/up merged
 
 
 @pytest.mark.parametrize("arch", MATRIX)
