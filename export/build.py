@@ -42,7 +42,7 @@ def build_ort(graph: Path, engine: Path, threads: int | None = None) -> None:
 
 
 DRAFTER_ROLES = ("draft", "medusa", "eagle")
-FUSED_ROLES = ("target", "draft", "eagle")   # the graphs with decoder layers (TreeAttention, RoPE, RMSNorm)
+FUSED_ROLES = ("target", "self", "draft", "eagle")   # the graphs with decoder layers (TreeAttention, RoPE, RMSNorm)
 
 
 def quantize_int8(graph: Path, out: Path) -> int:
@@ -210,7 +210,8 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
             weights = TENSORRT_WEIGHTS
         else:
             source = float32_file(graph, work / "float32.onnx")   # the graph itself if exported in float32
-            if role == "target" and target_weights != "float32":
+            as_target = role in ("target", "self")   # the self drafter: the target over some of its layers
+            if as_target and target_weights != "float32":
                 from specrt.export.quantize import quantize_target
                 extra["quantized"] = quantize_target(source, work / "quantized.onnx", spec, target_weights)
                 extra["activations"] = "int8"   # per token and block: trees verify as chains (see Generator)
@@ -219,7 +220,7 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
                 if quantize_int8(source, work / "quantized.onnx"):
                     extra["embedding"] = "int8 blocks (exact)"
                 source, weights = work / "quantized.onnx", "int8"
-            elif role == "target" and exact_gathers_file(source, work / "gathers.onnx"):   # a GGUF Q8_0 embedding
+            elif as_target and exact_gathers_file(source, work / "gathers.onnx"):   # a GGUF Q8_0 embedding
                 extra["embedding"] = "int8 blocks (exact)"
                 source = work / "gathers.onnx"
             if role in FUSED_ROLES and fuse:
@@ -230,6 +231,11 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
         for f in (built, data_path(built)):
             if f.exists():
                 os.replace(f, directory / f.name)
+    if role == "self" and suffix == ".ort.onnx":   # its weights: the target engine's tensors (export/self_spec.py)
+        from specrt.export.self_spec import share_weights
+        extra["own_weight_bytes"] = share_weights(engine, directory / f"target{suffix}")
+        return {**file_entry(directory, engine.name, data=extra["own_weight_bytes"] > 0), "weights": weights,
+                "weights_of": "target", "backend": "onnxruntime", **extra}
     return {**file_entry(directory, engine.name), "weights": weights,
             "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
 

@@ -15,6 +15,7 @@ from specrt.export.eagle3 import is_eagle3, load_eagle3, proposer as eagle3_prop
 from specrt.export.medusa import export_heads, load_heads, layout as medusa_layout, shipped_tree
 from specrt.export.model import from_hf
 from specrt.export.mtp import export_mtp, find_mtp, load_mtp
+from specrt.export.self_spec import export_self
 from specrt.export.sources import VOCAB_FILE, load_source
 from specrt.decoding import vocab_map
 from specrt.engines.manifest import FORMAT_VERSION, MANIFEST, file_entry, read_manifest, sha256_file, write_manifest
@@ -131,13 +132,15 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                    max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False, log=print,
                    medusa: str | None = None, eagle: str | None = None, dtype: str = "float32",
                    memory_limit: float | None = None, eagle_layer_ids: str | None = None,
-                   check_drafters: bool = True) -> Path:
+                   check_drafters: bool = True, self_layers: str | None = None) -> Path:
     """Trace the models to the ONNX graphs of an engine directory `out`, their weights in `dtype` ("float32",
     "float16" or "bfloat16": checkpoints are read in it, so that a model takes its size in that dtype in memory, once;
     CUDA engines run it as it is, CPU engines are built from it as float32 or quantized). An export that would not
     fit in `memory_limit` bytes (default: what the machine has available; inf: no check) is refused first.
     An EAGLE-3 checkpoint as `eagle` (see specrt.export.eagle3; `eagle_layer_ids` "inputs" or "outputs" says how to
-    read the layer ids its config names) gives the target graph the `aux` output it reads."""
+    read the layer ids its config names) gives the target graph the `aux` output it reads. `self_layers` ("auto",
+    "half" or a list such as "0-14,29") adds the `self` drafter: the target over those layers, on its weights (see
+    specrt.export.self_spec)."""
     out = Path(out)
     # check_drafters False (`--no-acceptance-check`): each imported drafter's acceptance is not measured (about 16
     # target passes per prompt), and the manifest says so
@@ -187,6 +190,8 @@ def export_engines(target: str, out: str | os.PathLike, draft: str | None = None
                 models["eagle"]["acceptance"] = checked(
                     model, eagle3_proposer(eagle3), prompts, src, f"the EAGLE-3 drafter {eagle}",
                     "a missing or wrong d2t, or layer ids read in the other convention: --eagle-layer-ids", log)
+            if role == "target" and self_layers is not None:   # the target's own layers as its drafter
+                models["self"] = export_self(model, self_layers, source, tmp, src.eos_token_ids, dtype, prompts, log)
             if src.vocab_subset:
                 models[role]["output_vocab"] = len(src.vocab_subset)
             if mapped is not None:   # a draft of another vocabulary: its map, checked at load like every file

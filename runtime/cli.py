@@ -15,7 +15,7 @@ from specrt.serving.tool_parsers import AUTO as TOOL_PARSER, FORMATS as TOOL_FOR
 
 
 DEVICE_HELP = "auto (the device the engine set was built for), cpu or cuda."
-METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest"]
+METHOD_CHOICES = ["auto", "autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "self", "rest"]
 TYPICAL_WARNING = ("warning: --acceptance typical is NOT distribution-preserving: drafts the target finds likely "
                    "enough are accepted, so the output over-represents likely tokens and is not distributed as the "
                    "target's own sampling (--acceptance exact, the default, is)")
@@ -76,8 +76,12 @@ def main():
                    "short prompts: about 16 target passes each, minutes for a large target on a CPU).")
 @click.option("--no-memory-check", is_flag=True,
               help="Export even where the estimate says the machine's available memory is too small.")
+@click.option("--self-layers", default=None,
+              help="Add the self drafter (--method self): the target over these of its layers, on its own weights: "
+                   "'auto' (a layer-skip search on calibration prompts), 'half' (the first half and the last) or "
+                   "indices and ranges such as '0-14,29'.")
 def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check,
-           no_acceptance_check):
+           no_acceptance_check, self_layers):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest. An MTP
     module in the target checkpoint's safetensors (DeepSeek-V3, GLM-4.5, MiMo) becomes its drafter: --method mtp."""
     from specrt.export.pipeline import export_engines
@@ -85,7 +89,8 @@ def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, forc
     try:
         export_engines(target, out, draft=draft, max_seq_len=max_seq_len, force=force, log=_log, medusa=medusa,
                        eagle=eagle, dtype=dtype, memory_limit=float("inf") if no_memory_check else None,
-                       eagle_layer_ids=eagle_layer_ids, check_drafters=not no_acceptance_check)
+                       eagle_layer_ids=eagle_layer_ids, check_drafters=not no_acceptance_check,
+                       self_layers=self_layers)
     except SpecrtError as e:
         _fail(e)
 
@@ -253,8 +258,8 @@ def _summary(s: dict) -> None:
 
 @main.command()
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "mtp", "rest"]), default="draft",
-              show_default=True)
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa", "eagle", "mtp", "self", "rest"]),
+              default="draft", show_default=True)
 @click.option("--tree", is_flag=True, help="draft: verify tree proposals.")
 @datastore_option
 @click.option("--prompts", "num_prompts", default=3, show_default=True, help="Dev prompts for the greedy check.")
@@ -584,7 +589,8 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
 @click.option("--concurrency", default="1,2,4,8", show_default=True,
               help="Requests in flight at once, one wave each (comma-separated); 1 is the one-at-a-time baseline.")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest"]),
+@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "self",
+                                             "rest"]),
               default="autoregressive", show_default=True)
 @click.option("--requests", default=16, show_default=True, type=click.IntRange(1, 10000),
               help="Requests per wave (MT-Bench prompts, repeated if needed).")

@@ -154,8 +154,10 @@ class DraftModelDrafter:
 
     name = "draft"
 
-    def __init__(self, engine, timer, tree: Tree | None = None, vocab_map=None):
-        self.engine, self.timer, self.tree, self.vocab_map = engine, timer, tree, vocab_map
+    def __init__(self, engine, timer, tree: Tree | None = None, vocab_map=None, part: str = "draft"):
+        """`part`: the name its keys and values have in the prefix cache ("self" for the target over some of its
+        layers, specrt.export.self_spec)."""
+        self.engine, self.timer, self.tree, self.vocab_map, self.part = engine, timer, tree, vocab_map, part
         self.inputs: dict[tuple[int, int], PassInputs] = {}   # the host path's, per shape
         self.valid: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -193,7 +195,7 @@ class DraftModelDrafter:
         where they are cached (copied), the rest (blocks that a request of another method cached) prefilled in
         `chunk`s."""
         self._make_pool(run)
-        done = 0 if self.vocab_map is not None else cache.copy(hit, "draft", self.pool.data[:, row], 2)
+        done = 0 if self.vocab_map is not None else cache.copy(hit, self.part, self.pool.data[:, row], 2)
         self.pool.row(row).truncate(done)
         for start in range(done, hit.tokens, chunk):
             self._prefill(run, row, prompt, start, min(chunk, hit.tokens - start))
@@ -204,7 +206,7 @@ class DraftModelDrafter:
         Of a `finished` row, nothing: its cache lags the row's tokens by a round (a later hit prefills it)."""
         if finished or self.vocab_map is not None:   # another vocabulary's positions: not the target's blocks
             return {}
-        return {"draft": (self.pool.data[:, row], 2, m - 1)}                     # (2L, Hkv, Smax, D)
+        return {self.part: (self.pool.data[:, row], 2, m - 1)}                     # (2L, Hkv, Smax, D)
 
     def join(self, run, row: int, copies: int) -> None:
         """The prefilled row to the request's other rows."""

@@ -13,8 +13,9 @@ import torch
 
 from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import OrtHeads, engine_set_device
+from specrt.engines.base import OrtEngine, OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
+from specrt.engines.static import SharedWeights
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
@@ -59,6 +60,7 @@ class Generator:
         self.eagle_ids = None   # the vocabulary ids of the EAGLE drafter's logit columns, if only its kept ones
         self.engine_time = 0.0
         self._batch_costs: dict = {}
+        self._self_costs: dict[int, Costs] = {}   # batch -> the self drafter's step beside _batch_costs' passes
         self._last_pool = None
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, regime) -> the last request's; regime:
         self._tree_policies: dict[tuple, TreePolicy] = {}    # greedy (a bool) or "typical" (see Batch); the same
@@ -90,6 +92,8 @@ class Generator:
     draft = property(lambda self: self._drafter_engine("draft"), doc="The draft model's engine (loaded on use).")
     medusa = property(lambda self: self._drafter_engine("medusa"), doc="The Medusa heads (loaded on use).")
     eagle = property(lambda self: self._drafter_engine("eagle"), doc="The EAGLE drafter's engine (loaded on use).")
+    self_draft = property(lambda self: self._drafter_engine("self"),
+                          doc="The self drafter's engine: the target over some of its layers (loaded on use).")
 
     @classmethod
     def from_engines(cls, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
@@ -109,14 +113,19 @@ class Generator:
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads
+        # the self drafter's engine reads the target engine's tensors: one copy of them for both sessions
+        shared = SharedWeights(directory, torch.device(device)) \
+            if models.get("self", {}).get("engine", {}).get("weights_of") == "target" else None
         engines = {}
         for role, spec in models.items():
             if "engine" not in spec:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
             path = check_file(directory, spec["engine"], f"{role} engine")
-            role_threads = threads if role == "target" else drafter_threads
+            role_threads = threads if role in ("target", "self") else drafter_threads
             backend = OrtHeads if role == "medusa" else engine_class(spec["engine"])
-            engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads)
+            weights = {"weights": shared} if shared is not None and role in ("target", "self") \
+                and backend is OrtEngine else {}
+            engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads, **weights)
         machine = tuning.machine(device, threads)
         tuned, why = tuning.load(directory, manifest, machine)   # checked before the engines load
         tokenizer = None
@@ -393,6 +402,9 @@ class Generator:
         if method == "eagle" and not self.has("eagle"):
             mtp = " (its feature drafter is the target's MTP module: --method mtp)" if self.has("mtp") else ""
             raise InputError(f"--method eagle: {self.directory} has no EAGLE drafter{mtp}; export with --eagle PATH")
+        if method == "self" and not self.has("self"):
+            raise InputError(f"--method self: {self.directory} has no self drafter; export with --self-layers auto "
+                             "(or half, or the layers to keep, such as 0-14,29)")
         if method == "mtp" and not self.has("mtp"):
             raise InputError(f"--method mtp: {self.directory} has no MTP module; export a target checkpoint that ships "
                              "one (DeepSeek-V3, GLM-4.5 or MiMo layout: docs/drafters.md)")
@@ -461,10 +473,12 @@ class Generator:
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
                                 figures=figures, sources=self.retrieval_sources)
+        # the draft model, or the target over some of its layers (self): the same drafter
+        engine, vocab_map = (self.self_draft, None) if method == "self" else (self.draft, self.draft_map)
         if (tree or tree_choices is not None) and not self.chains_only:
-            return DraftModelDrafter(self.draft, self._timed, self.tree_for("draft", tree_choices, gamma),
-                                     self.draft_map)
-        return DraftModelDrafter(self.draft, self._timed, vocab_map=self.draft_map)
+            return DraftModelDrafter(engine, self._timed, self.tree_for(method, tree_choices, gamma), vocab_map,
+                                     part=method)
+        return DraftModelDrafter(engine, self._timed, vocab_map=vocab_map, part=method)
 
     def tree_for(self, method: str, choices=None, depth: int | None = None) -> Tree:
         """The tree a tree method verifies: given choices, else the engine set's calibrated one, else a default."""
@@ -687,11 +701,12 @@ class Generator:
             run.per_position[i][1] += 1
 
     # ---- costs --------------------------------------------------------------------------------------------
-    def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1, draft: bool = True) -> Costs:
+    def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1, draft: bool | str = True) -> Costs:
         """Time target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch size, ~1 s for one
         row; for several rows two passes, with a line through them) and, with `draft` where the set has a draft
         model, its step (else `draft_step` stays 0: the caller does not need it, and the model is not loaded for
-        it); `upto` (a tree's size) adds passes over a few more sizes up to it."""
+        it); `draft` "self": the self drafter's step instead. `upto` (a tree's size) adds passes over a few more
+        sizes up to it."""
         saved = self.engine_time
         context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
         if batch not in self._batch_costs:
@@ -702,8 +717,11 @@ class Generator:
                 verify = {k: one + (most - one) * (k - 1) / MAX_GAMMA for k in range(1, MAX_GAMMA + 2)}
             self._batch_costs[batch] = Costs(0.0, verify)
         costs = self._batch_costs[batch]
-        if draft and self.has("draft") and not costs.draft_step:
-            costs.draft_step = self.draft.time_pass(context, 1)
+        if draft == "self":   # the self drafter's step beside the same target passes
+            costs = self._self_costs.setdefault(batch, Costs(0.0, costs.verify))
+        role = "self" if draft == "self" else "draft"
+        if draft and self.has(role) and not costs.draft_step:
+            costs.draft_step = self._drafter_engine(role).time_pass(context, 1)
         upto = min(upto, self.target.spec["max_seq_len"])
         more = sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto})
         if more:

@@ -13,7 +13,7 @@ from specrt.decoding.processors import Context, Penalties
 from specrt.decoding.sampling import SamplingParams, TokenLogprob, noise, probs, seeded_pick, softmax_host
 
 
-METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "rest")
+METHODS = ("autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "self", "rest")
 MODEL_FREE = ("autoregressive", "ngram", "rest")   # the methods every engine set runs (no drafter engine)
 AUTO = tuning.AUTO   # the method the engine set's tuning chose for the regime, else tuning.rule's
 MAX_GAMMA = 8

@@ -142,6 +142,7 @@ class OrtEngine:
         self.ort, self.spec, self.device = ort, spec, torch.device(device)
         self.dtype = engine_dtype(spec)
         options = session_options(ort, spec, threads)
+        self.weights = weights   # the values the session reads: alive as long as it is
         if weights is not None:
             weights.add_to(options, Path(path))
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))

@@ -367,6 +367,9 @@ def _runnable(gen, method: str, notes: list[str]) -> bool:
     if method == "mtp" and not gen.has("mtp"):
         notes.append(f"mtp skipped: {gen.directory} has no MTP module (its target checkpoint ships none)")
         return False
+    if method == "self" and not gen.has("self"):
+        notes.append(f"self skipped: {gen.directory} has no self drafter (export with --self-layers auto)")
+        return False
     return True
 
 

@@ -1,0 +1,202 @@
+"""Self-speculation (LayerSkip, Draft & Verify, SWIFT): the target drafts with a subset of its own layers.
+
+The engine set's `self` model is the target's graph over the kept layers only: the same contract as a draft model
+(its own small cache, `layers` = the kept count), run by the draft model's drafter (`--method self`, chains and
+`--tree`); verification is the target's, so the output is the target's. Its weights are the target's own tensors:
+`share_weights` points every initializer of the self graph at the tensor with the same bytes in the target graph's
+data file (the same file, the same offset), so the self graph adds no weight bytes on disk, and a runtime that gives
+both sessions one SharedWeights (specrt.engines.static) holds them once in memory. The build does the same for
+the built engines (`self.ort.onnx` over `target.ort.onnx.data`).
+
+Which layers: `--self-layers` at export: a list ("0-14,29"), "half" (the first half and the last layer), or "auto",
+a greedy layer-skip search on calibration prompts (`search`): drop the layer whose removal keeps the most top-1
+agreement with the full target, while the estimated speedup grows. The choice is in the manifest
+(`models.self.kept_layers`, and `search` with what was measured).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from specrt.errors import InputError
+from specrt.export.model import SpecModel
+
+FILE = "self.onnx"
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """`--self-layers` as the sorted kept layer indices: "half", or comma-separated indices and ranges ("0-14,29").
+    ("auto" is `search`'s.) Out of range, empty or all layers is an InputError naming the value."""
+    if spec == "half":
+        return sorted({*range(num_layers // 2), num_layers - 1})
+    kept = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            kept.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise InputError(f"--self-layers {spec!r}: expected 'auto', 'half' or layer indices and ranges such as "
+                         "'0-14,29'") from None
+    bad = sorted(i for i in kept if not 0 <= i < num_layers)
+    if bad or not kept or len(kept) == num_layers:
+        why = f"layer {bad[0]} is out of range" if bad else "that keeps no layer" if not kept else \
+            "that keeps every layer (the target itself)"
+        raise InputError(f"--self-layers {spec!r}: {why}; the target has layers 0-{num_layers - 1}: keep some of "
+                         "them, not all")
+    return sorted(kept)
+
+
+def self_model(target: SpecModel, layers: list[int]) -> SpecModel:
+    """The target over `layers` only: its own tensors (no copy), its layers renumbered 0..K-1."""
+    a = target.args
+    pick = lambda per_layer: tuple(per_layer[i] for i in layers) if per_layer else ()   # noqa: E731
+    args = replace(a, num_layers=len(layers), windows=pick(a.windows), local_rope=pick(a.local_rope),
+                   sparse_layers=pick(a.sparse_layers))
+    local = (target.local_cos, target.local_sin) if target.local_cos is not None else None
+    with torch.device("meta"):
+        model = SpecModel(args, target.rope_cos, target.rope_sin, target.vocab_index, local)
+    state = {}
+    for key, t in target.state_dict(keep_vars=True).items():
+        if key.startswith("model.layers."):
+            i, rest = key[len("model.layers."):].split(".", 1)
+            if int(i) in layers:
+                state[f"model.layers.{layers.index(int(i))}.{rest}"] = t
+        else:
+            state[key] = t
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _key(t: onnx.TensorProto, data: np.memmap) -> tuple:
+    where = {e.key: e.value for e in t.external_data}
+    offset, length = int(where.get("offset", 0)), int(where["length"])
+    return t.data_type, tuple(t.dims), hashlib.sha256(data[offset:offset + length]).hexdigest()
+
+
+def _external(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def share_weights(graph: Path, target_graph: Path) -> int:
+    """Point each external initializer of `graph` at the tensor of the same type, shape and bytes in
+    `target_graph`'s data file, and delete `graph`'s own data file. Returns the bytes that had no equal in the
+    target's (kept in `graph`'s own data file; 0 for a graph over the target's layers)."""
+    from specrt.export import onnx_files
+    graph, target_graph = Path(graph), Path(target_graph)
+    target = onnx.load(str(target_graph), load_external_data=False)
+    tdata = np.memmap(onnx_files.data_path(target_graph), np.uint8, mode="r")
+    index = {_key(t, tdata): t.external_data for t in _external(target)}
+    model = onnx.load(str(graph), load_external_data=False)
+    own = onnx_files.data_path(graph)
+    data = np.memmap(own, np.uint8, mode="r") if own.exists() and own.stat().st_size else None
+    left = []
+    for t in _external(model):
+        where = index.get(_key(t, data))
+        if where is None:
+            left.append(t)
+            continue
+        del t.external_data[:]
+        t.external_data.extend(where)
+    for t in left:   # into memory: the own data file is rewritten with these only
+        onnx.external_data_helper.load_external_data_for_tensor(t, str(graph.parent))
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
+    left_bytes = sum(len(t.raw_data) for t in left)
+    del data
+    own.unlink(missing_ok=True)
+    for t in left:
+        onnx_files._write(t, own)
+    onnx.save_model(model, str(graph))
+    return left_bytes
+
+
+def export_self(target: SpecModel, layers: str, source: str, directory: Path, eos: list[int], dtype: str,
+                prompts: list[list[int]], log=print) -> dict:
+    """The self graph `FILE` beside the target's `target.onnx` in `directory`, over its data file; its manifest
+    entry (`kept_layers`, and the search's figures where `layers` is "auto")."""
+    from specrt.export.onnx_export import export_graph, model_entry
+    L, search = target.args.num_layers, None
+    if layers == "auto":
+        kept, search = search_layers(target, prompts, log)
+    else:
+        kept = parse_layers(layers, L)
+    model = self_model(target, kept)
+    log(f"tracing the self drafter to ONNX: target layers {_ranges(kept)} ({len(kept)} of {L}), the target's weights")
+    export_graph(model, directory / FILE, dtype)
+    own = share_weights(directory / FILE, directory / "target.onnx")
+    entry = model_entry(model, source, FILE, directory, eos, dtype)
+    entry.update(kind="self", kept_layers=kept, own_weight_bytes=own)
+    if search is not None:
+        entry["search"] = search
+    return entry
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (what --self-layers reads)."""
+    parts, start = [], layers[0]
+    for a, b in zip(layers, [*layers[1:], None]):
+        if b != a + 1:
+            parts.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(parts)
+
+
+SEARCH_TOKENS = 24   # the target's greedy continuation of each calibration prompt that the search scores on
+
+
+def _all_logits(model: SpecModel, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (S, V) at every position of `tokens` (1, S), nothing cached."""
+    from specrt.export.acceptance import causal, empty_caches
+    S = tokens.shape[1]
+    return model(tokens, torch.arange(S)[None], torch.zeros(1, dtype=torch.int64), causal(S), torch.tensor([S]),
+                 *empty_caches(model.args))[0][0]
+
+
+def estimated_speedup(alpha: float, c: float, max_gamma: int = 8) -> tuple[float, int]:
+    """The best chain's speedup E[N] / (1 + γc) over γ = 1..max_gamma (a verify pass taken as one step), and γ."""
+    if alpha >= 1.0:
+        return (max_gamma + 1) / (1 + max_gamma * c), max_gamma
+    return max(((1 - alpha ** (g + 1)) / (1 - alpha) / (1 + g * c), g) for g in range(1, max_gamma + 1))
+
+
+def search_layers(target: SpecModel, prompts: list[list[int]], log=print) -> tuple[list[int], dict]:
+    """A greedy layer-skip search: from all layers, drop at each step the layer whose removal keeps the most top-1
+    agreement with the target's own greedy tokens over `prompts` (the target continues each by SEARCH_TOKENS),
+    while the estimated speedup (`estimated_speedup`, c from the weights a step reads: the kept layers and the LM
+    head) grows; stops three steps past the best. Returns the kept layers and what was measured."""
+    from specrt.export.acceptance import greedy
+    a, L = target.args, target.args.num_layers
+    per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    head = target.lm_head.weight.numel()
+    with torch.no_grad():
+        seqs = [torch.tensor([greedy(target, p[-(a.max_seq_len - SEARCH_TOKENS):], SEARCH_TOKENS)]) for p in prompts]
+        starts = [len(p[-(a.max_seq_len - SEARCH_TOKENS):]) - 1 for p in prompts]
+        want = [_all_logits(target, s).argmax(-1) for s in seqs]
+
+        def agreement(layers: list[int]) -> float:
+            model = self_model(target, layers)
+            hits = sum(int((_all_logits(model, s).argmax(-1)[t:] == w[t:]).sum())
+                       for s, t, w in zip(seqs, starts, want))
+            return hits / sum(s.shape[1] - t for s, t in zip(seqs, starts))
+
+        kept, steps, best = list(range(L)), [], None
+        while len(kept) > 1:
+            alpha, drop = max((agreement([k for k in kept if k != d]), d) for d in kept)
+            kept = [k for k in kept if k != drop]
+            c = (len(kept) * per_layer + head) / (L * per_layer + head)
+            speedup, gamma = estimated_speedup(alpha, c)
+            steps.append({"dropped": drop, "layers": len(kept), "agreement": round(alpha, 4), "c": round(c, 4),
+                          "estimated_speedup": round(speedup, 4), "gamma": gamma})
+            log(f"  self layers: {len(kept)} of {L} (dropped {drop}): agreement {alpha:.3f}, c {c:.2f}, "
+                f"estimated speedup {speedup:.2f} at γ {gamma}")
+            if best is None or speedup > best[0]:
+                best = (speedup, list(kept))
+            elif len(steps) - 1 - next(i for i, s in enumerate(steps) if s["layers"] == len(best[1])) >= 3:
+                break
+    return best[1], {"steps": steps, "positions": sum(s.shape[1] - t for s, t in zip(seqs, starts)),
+                     "prompts": len(prompts)}

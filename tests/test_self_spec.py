@@ -1,0 +1,125 @@
+"""Self-speculation (`--method self`, specrt.export.self_spec): the target drafts with some of its own layers, on its
+own weights: the graph against transformers with those layers removed, greedy and sampled output the target's, the
+weights not doubled on disk nor in memory, the layer choice recorded and refused by name."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from conftest import tiny_model
+from greedy_check import assert_same_or_tie
+from test_speculative import chi_square_p, exact_joint
+from specrt.decoding.generate import Generator
+from specrt.decoding.sampling import SamplingParams
+from specrt.errors import InputError
+from specrt.export.self_spec import parse_layers, search_layers
+
+V, KEPT = 24, [0, 1, 3]   # a vocabulary small enough for the exact joint; layer 2 of 4 skipped
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny peaked llama of 4 layers with its self drafter over KEPT, exported and built: (generator, model, dir)."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    tmp = tmp_path_factory.mktemp("self")
+    model = tiny_model("llama", seed=3, vocab=V, layers=4, init=0.3)
+    model.save_pretrained(tmp / "src")
+    export_engines(str(tmp / "src"), tmp / "engines", max_seq_len=32, log=lambda *_: None, self_layers="0-1,3")
+    build(tmp / "engines", "onnxruntime", log=lambda *_: None)
+    return Generator.from_engines(tmp / "engines"), model, tmp / "engines"
+
+
+def without_layers(model, kept):
+    """The transformers model with only the `kept` layers (renumbered)."""
+    small = copy.deepcopy(model)
+    small.model.layers = torch.nn.ModuleList(small.model.layers[i] for i in kept)
+    for j, layer in enumerate(small.model.layers):
+        layer.self_attn.layer_idx = j
+    small.config.num_hidden_layers = len(kept)
+    return small
+
+
+def test_the_graph_is_the_target_without_the_skipped_layers(tiny):
+    gen, model, _ = tiny
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = gen.self_draft.run_sequence(ids, num_logits=len(ids)).logits[0]                     # (S, V)
+    with torch.no_grad():
+        ref = without_layers(model, KEPT)(torch.tensor([ids]), use_cache=False).logits[0]
+        full = model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(ours, ref, atol=1e-4), float((ours - ref).abs().max())
+    assert not torch.allclose(ours, full, atol=1e-2)   # not the whole target
+
+
+def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
+    gen, _, directory = tiny
+    entry = json.loads((directory / "manifest.json").read_text())["models"]["self"]
+    assert entry["kept_layers"] == KEPT and entry["layers"] == 3
+    assert entry["own_weight_bytes"] == 0 and entry["engine"]["own_weight_bytes"] == 0
+    for graph, data in (("self.onnx", "target.onnx.data"), ("self.ort.onnx", "target.ort.onnx.data")):
+        stored = [t for t in onnx.load(str(directory / graph), load_external_data=False).graph.initializer
+                  if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert stored and {e.value for t in stored for e in t.external_data if e.key == "location"} == {data}
+        assert not (directory / f"{graph}.data").exists()
+    # in memory: one value per tensor of the target engine's data, given to both sessions, none of the self's own
+    engine = onnx.load(str(directory / "target.ort.onnx"), load_external_data=False).graph.initializer
+    tensors = {tuple((e.key, e.value) for e in t.external_data) for t in engine
+               if t.data_location == onnx.TensorProto.EXTERNAL}
+    gen.self_draft.run_sequence([1, 2, 3])
+    assert gen.self_draft.weights is gen.target.weights and len(gen.target.weights.values) == len(tensors) > 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_is_the_targets(tiny, tree):
+    gen, model, _ = tiny
+    rates = []
+    for seed in range(3):
+        prompt = torch.randint(0, V, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="autoregressive").token_ids[0]
+        out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="self", gamma=3, tree=tree, adaptive=False)
+        assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+        rates.append(out.stats["acceptance_rate"])
+    assert max(rates) > 0.3, rates   # the target's own layers draft: most drafts accepted
+
+
+def test_sampled_is_the_targets_distribution(tiny):
+    gen, model, _ = tiny
+    prompt = [3, 7, 1]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=3, num_return_sequences=12000, method="self", gamma=2,
+                       seed=5, adaptive=False, temperature=1.0, seeding="stream")
+    assert 0 < out.stats["acceptance_rate"] < 0.98   # drafts accepted and rejected (the residual drawn)
+    p = chi_square_p(np.array(out.token_ids), exact_joint(model, prompt, SamplingParams(temperature=1.0)))
+    print(f"self T=1: acceptance {out.stats['acceptance_rate']:.2f}, chi-square p = {p:.4f}")
+    assert p > 1e-3
+
+
+def test_layers_refused_by_name(tiny):
+    assert parse_layers("0-1,3", 4) == KEPT and parse_layers("half", 30) == [*range(15), 29]
+    for bad, says in (("0-4", "layer 4 is out of range"), ("0-3", "every layer"), ("x", "'x'")):
+        with pytest.raises(InputError, match=says):
+            parse_layers(bad, 4)
+    gen, *_ = tiny
+    other = Generator(gen.directory, {"models": {"target": {}}}, gen.target, None, gen.tokenizer)
+    with pytest.raises(InputError, match="no self drafter; export with --self-layers"):
+        other.generate(prompt_ids=[1, 2], max_new_tokens=2, method="self")
+
+
+def test_search_drops_the_layer_that_costs_least(tiny):
+    from specrt.export.model import from_hf
+    _, model, _ = tiny
+    target, threads = from_hf(model, 64), torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny matrices: a busy thread pool costs seconds here
+    try:
+        kept, search = search_layers(target, [[1, 2, 3], [5, 6, 7, 8]], log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    first = search["steps"][0]
+    assert first["layers"] == 3 and kept == [s for s in range(4) if s not in
+                                             [x["dropped"] for x in search["steps"][:4 - len(kept)]]]
+    best = max(search["steps"], key=lambda s: s["estimated_speedup"])
+    assert len(kept) == best["layers"]
