@@ -261,7 +261,7 @@ def test_metrics_count_what_the_answers_say(tiny):
     """/metrics after Medusa requests (streamed, not streamed, n = 2 sampled): the speculative-decoding counters and
     the token counts grew by the sums of the answers' own figures, each sequence is in the latency histograms and
     its finish reason counted; the gauges come back to 0. Several servers in one process count apart."""
-    from specrt.serving.metrics import Metrics
+    from specrt.serving.metrics import VLLM_NAMES, Metrics
     gen, url, *_ = tiny
     api = client(url)
     medusa = {"specrt": {"method": "medusa"}}
@@ -303,6 +303,28 @@ def test_metrics_count_what_the_answers_say(tiny):
     assert grew("specrt:request_queue_time_seconds_count") == 5                 # requests, not sequences
     assert grew("specrt:inter_token_latency_seconds_count") > 0
     assert after[("specrt:num_requests_waiting", (("model_name", "tiny"),))] == 0
+    for ours, theirs in VLLM_NAMES.items():   # vLLM's names: the same samples, labels and values
+        for (name, labels), value in after.items():
+            if name.removeprefix("specrt:").removesuffix("_total").removesuffix("_count") == ours:
+                assert all(after[(f"vllm:{n}" + name[len("specrt:" + ours):], labels)] == value for n in theirs)
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert [grew("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(depth)] \
+        == per_pos
+    assert grew("vllm:request_success_total", finished_reason="length") == len(stats)
+    assert grew("vllm:time_to_first_token_seconds_count") == grew("vllm:e2e_request_latency_seconds_count") \
+        == len(stats)
+    assert grew("vllm:inter_token_latency_seconds_count") == grew("vllm:time_per_output_token_seconds_count") > 0
+    tiny_only = (("model_name", "tiny"),)
+    assert after[("vllm:kv_cache_usage_perc", tiny_only)] == after[("vllm:gpu_cache_usage_perc", tiny_only)] == 0
+    stream = api.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=MAX_LEN - 4, temperature=0,
+                                    stream=True)
+    next(iter(stream))   # one row live: 1 of the batch's 8 rows, its prompt and tokens in its positions
+    during = scrape(url)
+    stream.close()
+    assert during[("vllm:num_requests_running", tiny_only)] == 1
+    assert during[("vllm:kv_cache_usage_perc", tiny_only)] == during[("specrt:kv_cache_usage_perc", tiny_only)] \
+        == 1 / 8
+    assert 4 / (8 * MAX_LEN) <= during[("specrt:kv_cache_positions_perc", tiny_only)] <= 1 / 8
     one, two = Metrics("a", lambda: 0), Metrics("b", lambda: 0)                 # a registry each: no collision
     one.finish("draft", "stop")
     assert b'finished_reason="stop"' in one.exposition() and b'finished_reason="stop"' not in two.exposition()

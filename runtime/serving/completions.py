@@ -293,7 +293,7 @@ class Server:
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specrt-tokenize")
         self.compiling = ThreadPoolExecutor(1, thread_name_prefix="specrt-grammar")   # grammar(): see compiled()
         self.metrics = Metrics(model_name, lambda: len(self.scheduler.waiting), lambda: self.gen.prefix_cache,
-                               lambda: self.gen.suffix_cache)
+                               lambda: self.gen.suffix_cache, lambda: self.scheduler.kv_usage())
         self.scheduler = Scheduler(gen, max_batch, measure=greedy != "autoregressive", metrics=self.metrics,
                                    max_waiting=max_waiting, timeout=request_timeout)
 

@@ -14,6 +14,17 @@ served from the cache), so that hits / queries is the share of prompt tokens not
 Suffix decoding's index of finished outputs (--suffix-cache) likewise: the gauges `suffix_cache_outputs`,
 `suffix_cache_tokens` and `suffix_cache_bytes` (0: none). These figures tell of every client's requests, so they are
 here, behind the API key, and never on the open /health.
+
+The static KV cache's use, read from the scheduler at each scrape (label `model_name`): `kv_cache_usage_perc`, the
+share of the batch's rows taken (live or being prefilled: a row's buffers are its request's from admission to its
+end, as vLLM's blocks are once allocated, so this is what admission depends on), and `kv_cache_positions_perc`, the
+share of the rows' positions that hold tokens.
+
+Under vLLM's own names too (prefix `vllm:`, VLLM_NAMES): the figures vLLM defines, with the same meaning, as well as
+under `specrt:`. Gateways and autoscalers read vLLM's names as they are (the Gateway API inference extension's
+endpoint picker reads `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`, or `vllm:gpu_cache_usage_perc`
+in its older releases; KServe's and vLLM's dashboards the rest), so they need no configuration for specrt; the
+`specrt:` names stay for the dashboards already written for them and for the figures vLLM has no name for.
 """
 from __future__ import annotations
 
@@ -31,6 +42,15 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")   # abort: the client left; error: the request failed
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # the text format every Prometheus reads
+VLLM = "vllm:"
+# specrt's name -> vLLM's names for the same figure (the older ones beside, for the readers that still use them)
+VLLM_NAMES = {name: (name,) for name in (
+    "num_requests_running", "num_requests_waiting", "prompt_tokens", "generation_tokens", "request_success",
+    "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")} | {
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds")}
 
 
 class Metrics:
@@ -38,11 +58,16 @@ class Metrics:
     PrefixCache now, or None)."""
 
     def __init__(self, model_name: str, waiting: Callable[[], float],
-                 prefix_cache: Callable[[], object] = lambda: None, suffix_cache: Callable[[], object] = lambda: None):
+                 prefix_cache: Callable[[], object] = lambda: None, suffix_cache: Callable[[], object] = lambda: None,
+                 kv_cache: Callable[[], tuple] = lambda: (0, 0, 0, 0)):
+        """kv_cache: (rows taken, rows, positions holding tokens, positions) of the static cache now."""
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
         registry.register(_PrefixCacheFigures(model_name, prefix_cache))
         registry.register(_SuffixCacheFigures(model_name, suffix_cache))
+        registry.register(_KvCacheFigures(model_name, kv_cache))
+        self.vllm = CollectorRegistry(auto_describe=False)
+        self.vllm.register(_VllmNames(registry))
         labels = ["model_name", "method"]
 
         def counter(name: str, doc: str, extra: tuple = ()) -> Counter:
@@ -100,8 +125,8 @@ class Metrics:
         self.finished.labels(self.model_name, method, reason).inc()
 
     def exposition(self) -> bytes:
-        """The text format of all of them (GET /metrics)."""
-        return generate_latest(self.registry)
+        """The text format of all of them (GET /metrics), under specrt's names and vLLM's."""
+        return generate_latest(self.registry) + generate_latest(self.vllm)
 
 
 class _PrefixCacheFigures:
@@ -143,6 +168,38 @@ class _SuffixCacheFigures:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], getattr(cache, attribute) if cache is not None else 0)
             yield family
+
+
+class _KvCacheFigures:
+    """The static KV cache's rows and positions in use, as shares (see the module doc)."""
+
+    def __init__(self, model_name: str, kv_cache: Callable[[], tuple]):
+        self.model_name, self.kv_cache = model_name, kv_cache
+
+    def collect(self):
+        rows_taken, rows, used, positions = self.kv_cache()
+        for name, share, doc in (
+                ("kv_cache_usage_perc", rows_taken / rows if rows else 0.0,
+                 "Share of the static KV cache's rows taken by requests (1: all; a request waits for a row)."),
+                ("kv_cache_positions_perc", used / positions if positions else 0.0,
+                 "Share of the static KV cache's positions (rows x positions a row) that hold tokens.")):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], share)
+            yield family
+
+
+class _VllmNames:
+    """The figures of `registry` that vLLM defines, under vLLM's names (VLLM_NAMES), read at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            for name in VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()):
+                renamed = Metric(VLLM + name, family.documentation, family.type)
+                renamed.samples = [s._replace(name=VLLM + name + s.name[len(family.name):]) for s in family.samples]
+                yield renamed
 
 
 def merge(texts: dict[str, bytes], label: str) -> bytes:

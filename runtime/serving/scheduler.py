@@ -152,6 +152,17 @@ class Scheduler:
         """The batch's rows that are live or held by joining jobs."""
         return self.batch.taken if self.batch is not None else 0
 
+    def kv_usage(self) -> tuple[int, int, int, int]:
+        """The static KV cache in use now (read by /metrics off this thread, a round's figures at most apart): rows
+        taken, rows, positions holding tokens (the live rows' and the prefilled part of the joining ones'),
+        positions."""
+        batch = self.batch
+        if batch is None:
+            return 0, self.capacity, 0, self.capacity * self.gen.max_len
+        run = batch.run
+        used = int(run.host_lengths[:run.batch].sum()) + sum(j.done for j in list(batch.joining))
+        return batch.taken, run.capacity, used, run.capacity * run.cache_len
+
     def dead(self) -> APIError | None:
         """The 503 that every request gets once the thread has died (None while it runs)."""
         e = self.died
