@@ -4,9 +4,9 @@ The engine set's `self` model is the target's graph over the kept layers only: t
 (its own small cache, `layers` = the kept count), run by the draft model's drafter (`--method self`, chains and
 `--tree`); verification is the target's, so the output is the target's. Its weights are the target's own tensors:
 `share_weights` points every initializer of the self graph at the tensor with the same bytes in the target graph's
-data file (the same file, the same offset), so the self graph adds no weight bytes on disk, and a runtime that gives
-both sessions one SharedWeights (specrt.engines.static) holds them once in memory. The build does the same for
-the built engines (`self.ort.onnx` over `target.ort.onnx.data`).
+data file (the same file, the same offset), so the self graph adds no weight bytes on disk. The build does the same
+for the built engines (`self.ort.onnx` over `target.ort.onnx.data`). In memory the self engine is a session of its
+own: on the CPU each session repacks its MatMul weights, shared values or not (docs/notes/2026-12-self-speculation.md).
 
 Which layers: `--self-layers` at export: a list ("0-14,29"), "half" (the first half and the last layer), or "auto",
 a greedy layer-skip search on calibration prompts (`search`): drop the layer whose removal keeps the most top-1

@@ -1,6 +1,6 @@
 """Self-speculation (`--method self`, specrt.export.self_spec): the target drafts with some of its own layers, on its
 own weights: the graph against transformers with those layers removed, greedy and sampled output the target's, the
-weights not doubled on disk nor in memory, the layer choice recorded and refused by name."""
+weights not doubled on disk, the layer choice recorded and refused by name."""
 from __future__ import annotations
 
 import copy
@@ -66,12 +66,6 @@ def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
                   if t.data_location == onnx.TensorProto.EXTERNAL]
         assert stored and {e.value for t in stored for e in t.external_data if e.key == "location"} == {data}
         assert not (directory / f"{graph}.data").exists()
-    # in memory: one value per tensor of the target engine's data, given to both sessions, none of the self's own
-    engine = onnx.load(str(directory / "target.ort.onnx"), load_external_data=False).graph.initializer
-    tensors = {tuple((e.key, e.value) for e in t.external_data) for t in engine
-               if t.data_location == onnx.TensorProto.EXTERNAL}
-    gen.self_draft.run_sequence([1, 2, 3])
-    assert gen.self_draft.weights is gen.target.weights and len(gen.target.weights.values) == len(tensors) > 0
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

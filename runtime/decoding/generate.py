@@ -13,9 +13,8 @@ import torch
 
 from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import OrtEngine, OrtHeads, engine_set_device
+from specrt.engines.base import OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
-from specrt.engines.static import SharedWeights
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
@@ -113,9 +112,9 @@ class Generator:
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads
-        # the self drafter's engine reads the target engine's tensors: one copy of them for both sessions
-        shared = SharedWeights(directory, torch.device(device)) \
-            if models.get("self", {}).get("engine", {}).get("weights_of") == "target" else None
+        # the self drafter's engine reads the target engine's data file, as a session of its own: on the CPU each
+        # session repacks its MatMul weights anyway, and a SharedWeights there kept the unpacked ones resident too
+        # (SmolLM2: 1,326 MB for the target alone against 770; docs/notes/2026-12-self-speculation.md)
         engines = {}
         for role, spec in models.items():
             if "engine" not in spec:
@@ -123,9 +122,7 @@ class Generator:
             path = check_file(directory, spec["engine"], f"{role} engine")
             role_threads = threads if role in ("target", "self") else drafter_threads
             backend = OrtHeads if role == "medusa" else engine_class(spec["engine"])
-            weights = {"weights": shared} if shared is not None and role in ("target", "self") \
-                and backend is OrtEngine else {}
-            engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads, **weights)
+            engines[role] = functools.partial(backend, path, spec, device=device, threads=role_threads)
         machine = tuning.machine(device, threads)
         tuned, why = tuning.load(directory, manifest, machine)   # checked before the engines load
         tokenizer = None

@@ -58,8 +58,9 @@ class WidthBuffers:
 
 
 DLPACK_ORT = "1.26"   # the first onnxruntime whose public OrtValue has from_dlpack (earlier: only its private C class)
-NUMPY_TYPES = {1: np.float32, 10: np.float16, 16: np.uint16, 7: np.int64, 6: np.int32, 9: np.bool_}  # TensorProto
-                                                                                                    # (bfloat16 as bits)
+# TensorProto types -> numpy (bfloat16 as bits; uint8: a GatherBlockQuantized embedding's int8 blocks)
+NUMPY_TYPES = {1: np.float32, 10: np.float16, 16: np.uint16, 7: np.int64, 6: np.int32, 9: np.bool_, 2: np.uint8,
+               3: np.int8}
 
 
 class SharedWeights:
