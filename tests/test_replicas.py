@@ -114,6 +114,7 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
     # one scrape counts both replicas (each sends its figures to the hub every second): the tokens each answered
     tokens = {r: sum(len(ids_of(events)) for events, by in results if by == r) for r in served}
     until(lambda: generated(url) == tokens, f"/metrics counts {generated(url)}, the replicas answered {tokens}")
+    assert samples(url, "vllm:generation_tokens_total") == tokens   # vLLM's name too, each replica's sample
     outputs = samples(url, "specrt:suffix_cache_outputs")   # each replica keeps its outputs (/health says nothing)
     assert set(outputs) == served and all(outputs.values()), outputs
 
