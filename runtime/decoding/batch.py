@@ -484,8 +484,8 @@ class Batch:
     def _chain_gamma(self, active: list[bool], live: int) -> int:
         """γ of a chain round, and which rows draft (self.drafting). One live row: the policy's γ from the
         acceptance. Several: per-row budgets (GammaPolicy.choose_rows), each row's acceptance its own drafts' shrunk
-        toward the batch's (worth one draft), a row probing on every `probe_every`-th round of its own. A saturated batch: a plain
-        round, without the drafter or any per-row work."""
+        toward the batch's (worth one draft), a row probing on every `probe_every`-th round of its own. A saturated
+        batch: a plain round, without the drafter or any per-row work."""
         policy, self.drafting = self.policy, None
         if live == 1:
             return policy.choose()

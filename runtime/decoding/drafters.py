@@ -148,9 +148,10 @@ class DraftModelDrafter:
     """A small causal LM with its own static cache. Invariant between rounds: its cache is valid for at
     least the first n−2−s tokens of a row of length n, where s counts the tokens of the rounds it did not propose
     in since its last proposal (plain target steps, one token each, or a grammar's forced runs: run.skipped), so a
-    round feeds the last 2+s tokens, then γ−1 more. A drafter of another vocabulary (`vocab_map`, see vocab_map.py) reads each target token as the drafter
-    tokens of its bytes, its cache in its own positions (a row's position of target token k: the drafter tokens of
-    the k before it), and drafts target tokens from its logits over the shared ones."""
+    round feeds the last 2+s tokens, then γ−1 more. A drafter of another vocabulary (`vocab_map`, see
+    vocab_map.py) reads each target token as the drafter tokens of its bytes, its cache in its own positions (a
+    row's position of target token k: the drafter tokens of the k before it), and drafts target tokens from its
+    logits over the shared ones."""
 
     name = "draft"
 
