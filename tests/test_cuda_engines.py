@@ -262,7 +262,7 @@ def test_width_graphs_that_fail_fall_back_to_the_dynamic_graph(engine_sets, tmp_
     assert any("width-4" in m and "pass failed" in m for m in logged)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("eagle", "mtp")])   # their own sets and tests
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("eagle", "mtp", "self")])   # own sets, own tests
 def test_greedy_identical_on_width_engines(engine_sets, method):
     cpu, cuda, model = engine_sets
     a, b = Generator.from_engines(cpu, device="cpu"), Generator.from_engines(cuda, device="cpu")

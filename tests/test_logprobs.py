@@ -70,7 +70,7 @@ def test_tiny_logprobs_equal_transformers(tiny, method, temperature):
         prompt = torch.randint(0, 64, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         prompt += prompt   # a repeat: prompt lookup has something to propose
         out = gen.generate(prompt_ids=prompt, max_new_tokens=24, method=method, temperature=temperature,
-                           top_k=params.top_k, seed=seed, logprobs=TOP, adaptive=False, **kw)
+                           top_k=params.top_k, seed=seed, seeding="stream", logprobs=TOP, adaptive=False, **kw)
         ref = reference(model, prompt, out.token_ids[0], params, kw)
         assert_logprobs(out.logprobs[0], out.token_ids[0], ref, TOP)
         accepted += sum(out.stats["acceptance_per_position"]) > 0

@@ -275,16 +275,17 @@ def _round_stats(s: dict) -> dict:
             "host_ms_per_round": 1000 * s["loop_time_s"] / rounds if rounds else None}
 
 
-def method_runs() -> list[tuple[str, dict]]:
-    from specrt.decoding.generate import METHODS
-    runs = [(m, {"method": m}) for m in METHODS]
+def method_runs(gen=None) -> list[tuple[str, dict]]:
+    """The methods `gen`'s engine set runs (all of them without `gen`), and the draft model's tree."""
+    from specrt.decoding.generate import METHODS, MODEL_FREE
+    runs = [(m, {"method": m}) for m in METHODS if gen is None or m in MODEL_FREE or gen.has(m)]
     return runs + [("draft-tree", {"method": "draft", "tree": True})]
 
 
 def check_methods(gen, prompts: list[list[int]], n: int) -> dict:
-    """Every method on the engine set's device: it completes, and its greedy tokens are the target's own."""
+    """Every method the engine set has, on its device: it completes, and its greedy tokens are the target's own."""
     results, refs = {}, {}
-    for name, kw in method_runs():
+    for name, kw in method_runs(gen):
         try:
             gen.generate(prompt_ids=prompts[0], max_new_tokens=4, **kw)   # warm-up: sessions, captured graphs
             rows = greedy_rows(gen, gen, prompts, n, refs, **kw)
