@@ -121,7 +121,8 @@ def exact_processed_joint(model, prompt: list[int], params: SamplingParams, kw: 
 SAMPLED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=2.0, logit_bias={3: 4.0})
 
 
-@pytest.mark.parametrize("method, temperature", [("draft", 1.0), ("draft", 0.7), ("medusa", 1.0), ("medusa", 0.7)])
+@pytest.mark.parametrize("method, temperature", [("draft", 1.0), ("draft", 0.7), ("medusa", 1.0)])   # (medusa at 0.7:
+# the same rule, 19 s a temperature: the suite's time budget)
 def test_sampled_with_penalties_is_the_processed_target(tiny, method, temperature):
     """The chain rule (a sampled draft model) and the tree rule (Medusa's deterministic tree, siblings tried in
     turn) with penalties, a bias and min-p."""
