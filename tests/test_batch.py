@@ -124,11 +124,16 @@ def test_a_queued_request_moved_down_starts_from_an_empty_row(default_generator,
 
 
 
-def test_a_row_without_acceptance_takes_plain_steps_beside_a_drafting_row(default_generator, smollm2):
+def test_a_row_without_acceptance_takes_plain_steps_beside_a_drafting_row(default_generator, smollm2, monkeypatch):
     """Per-row budgets (prompt lookup): one prompt asks to copy a text (its lookups are accepted), the other's
     answer does not continue its lookups. In one batch the poor row takes plain steps (no drafts in the round's
     proposal) in rounds where its neighbour drafts, and only once its own drafts were refused; each row's greedy
-    output is its lone autoregressive one."""
+    output is its lone autoregressive one. The batch's cost surface is fixed (a pass 15 % dearer a token per row),
+    so that the choice follows the rows' acceptance, not this machine's measured pass times."""
+    from specrt.decoding.adaptive import Costs
+    from specrt.decoding.batch import Batch
+    costs = Costs(0.0, {k: 1.0 + 0.15 * (k - 1) for k in range(1, 10)})
+    monkeypatch.setattr(Batch, "_chain_costs", lambda self, n: costs)
     prompts = [default_generator.encode(p) for p in (
         "Copy this text exactly: Alice was beginning to get very tired of sitting by her sister on the bank, and of "
         "having nothing to do: once or twice she had peeped into the book her sister was reading, but it had no "
