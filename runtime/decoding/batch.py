@@ -267,7 +267,7 @@ class Batch:
                 processors.mask(logits[0], run.rows[r].matcher.allowed())
         logits = logits.expand(copies, -1)                                              # (copies, V)
         if run.params.seeded:   # each copy's seeded pick at position m (see Generator._verify)
-            first = run.seeded_scores(logits[:, None], [0] * copies, rows=range(r, r + copies))[:, 0].argmax(-1)
+            first = run.seeded_scores(logits[:, None], [0], rows=range(r, r + copies))[:, 0].argmax(-1)
         else:
             first = argmax(logits) if run.params.greedy else sample(probs(logits, run.params), run.generator)
         if j.logprobs is not None:

@@ -140,6 +140,10 @@ def machine_info(threads: int) -> dict:
 
 # ---- one run of each system ---------------------------------------------------------------------------------
 TREE_METHODS = {"draft-tree": "draft"}   # bench names of tree variants -> generate(method=..., tree=True)
+MISSING = {   # what a method's drafter is, and how an engine set gets one: a method the set lacks is skipped
+    "draft": "draft model (export with --draft SOURCE)", "medusa": "Medusa heads (export with --medusa PATH)",
+    "eagle": "EAGLE drafter (export with --eagle PATH)", "mtp": "MTP module (its target checkpoint ships none)",
+    "self": "self drafter (export with --self-layers auto)"}
 TYPICAL = "+typical"   # the bench name of a method run with typical acceptance ends with it
 
 
@@ -355,20 +359,9 @@ def _runnable(gen, method: str, notes: list[str]) -> bool:
     from specrt.decoding.generate import AUTO, METHODS
     if method not in METHODS and method not in TREE_METHODS and method != AUTO:
         raise InputError(f"--methods {method!r}: choose from {', '.join((AUTO, *METHODS, *TREE_METHODS))}")
-    if TREE_METHODS.get(method, method) == "draft" and not gen.has("draft"):
-        notes.append(f"{method} skipped: {gen.directory} has no draft model (export with --draft SOURCE)")
-        return False
-    if method == "medusa" and not gen.has("medusa"):
-        notes.append(f"medusa skipped: {gen.directory} has no Medusa heads (export with --medusa PATH)")
-        return False
-    if method == "eagle" and not gen.has("eagle"):
-        notes.append(f"eagle skipped: {gen.directory} has no EAGLE drafter (export with --eagle PATH)")
-        return False
-    if method == "mtp" and not gen.has("mtp"):
-        notes.append(f"mtp skipped: {gen.directory} has no MTP module (its target checkpoint ships none)")
-        return False
-    if method == "self" and not gen.has("self"):
-        notes.append(f"self skipped: {gen.directory} has no self drafter (export with --self-layers auto)")
+    role = TREE_METHODS.get(method, method)
+    if role in MISSING and not gen.has(role):
+        notes.append(f"{method} skipped: {gen.directory} has no {MISSING[role]}")
         return False
     return True
 
