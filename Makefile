@@ -85,8 +85,10 @@ engines-int4: $(INT4)/manifest.json
 demo: engines
 	$(SPECRT) demo $(ENGINES)
 
+# Two test processes (pytest-xdist), each module whole on one of them (its module fixtures made once): most tests
+# spend their time in one thread (tracing, exporting, Python's loop), so two keep both cores busy.
 test: engines $(TESTED)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
 
 bench: engines engines-int4
 	$(SPECRT) bench $(ENGINES) --compare $(INT4) --methods autoregressive,draft,ngram,medusa,draft-tree,eagle \

@@ -5,8 +5,8 @@ export/model.py writes once; the sizes, the windows and the soft-caps are read f
 (`args_from_config`). A mixture of experts (`experts_key`) replaces the MLP of its sparse layers by the routed
 block of export/moe.py. `architecture_of` refuses, by name, what the graph does not implement: an unregistered
 model type (a mixture of experts with shared experts among them; a hybrid of REFUSED, with its reason), a layer
-type other than full or sliding-window attention (and LFM2's conv, see export/hybrid.py), an MLP activation it
-does not know, bidirectional attention, clipped q/k/v.
+type other than full or sliding-window attention (and LFM2's conv and Granite 4.0-H's Mamba-2, see
+export/hybrid.py), an MLP activation it does not know, bidirectional attention, clipped q/k/v.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")   # config fields of a mixture of experts
 SHARED = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")   # ... with shared experts
 # hybrid models refused by name, with the reason (docs/engines.md)
-REFUSED = {"granitemoehybrid": "its Mamba-2 layers carry a recurrent state that a rejected draft cannot roll back "
-                               "by an index (it needs a state per position or a re-run): not implemented; export "
-                               "a model of a supported architecture (LFM2's short convolutions are)"}
+REFUSED = {"qwen3_next": "its gated DeltaNet layers (a recurrent state under a delta-rule update) are not "
+                         "implemented; export a model of a supported architecture (LFM2's short convolutions and "
+                         "Granite 4.0-H's Mamba-2 layers are)"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Architecture:
     sparse_step: bool = False  # Qwen3-MoE: mlp_only_layers and decoder_sparse_step say which layers have experts
     conv: bool = False         # LFM2: the layers config.layer_types marks "conv" are gated short convolutions
     #                            (export/hybrid.py)
+    mamba: bool = False        # Granite 4.0-H: the layers config.layer_types marks "linear_attention" are Mamba-2
+    #                            mixers (export/hybrid.py)
+    shared_key: str | None = None   # config field of a dense MLP that every layer runs (beside its experts, if any)
     eps_key: str = "rms_norm_eps"   # config field of the norms' epsilon
 
 
@@ -76,6 +79,11 @@ REGISTRY: dict[str, Architecture] = {
         Architecture("granitemoe", "GraniteMoeForCausalLM", multipliers=True, experts_key="num_local_experts",
                      moe_block="block_sparse_moe", router="router"),
         Architecture("lfm2", "Lfm2ForCausalLM", qk_norm=True, conv=True, eps_key="norm_eps"),
+        # Mamba-2 beside attention (no rope unless position_embedding_type is "rope"), a shared MLP in every layer
+        # and, where num_local_experts > 0, GraniteMoe's routed experts beside it
+        Architecture("granitemoehybrid", "GraniteMoeHybridForCausalLM", multipliers=True,
+                     experts_key="num_local_experts", moe_block="block_sparse_moe", router="router", mamba=True,
+                     shared_key="shared_intermediate_size"),
     )
 }
 
@@ -84,7 +92,8 @@ def architecture_of(config, name: str = "the model") -> Architecture:
     """The registry entry of a transformers config; UnknownSourceError naming what is not implemented."""
     arch = REGISTRY.get(config.model_type)
     experts = next((f"{k} = {getattr(config, k)}" for k in EXPERTS if getattr(config, k, None)), None)
-    shared = next((f"{k} = {getattr(config, k)}" for k in SHARED if getattr(config, k, None)), None)
+    shared = next((f"{k} = {getattr(config, k)}" for k in SHARED
+                   if getattr(config, k, None) and not (arch and k == arch.shared_key)), None)
     if arch is None and config.model_type in REFUSED:
         raise UnknownSourceError(f"{name} is a {config.model_type!r} model: {REFUSED[config.model_type]}")
     if arch is None:
@@ -107,6 +116,11 @@ def architecture_of(config, name: str = "the model") -> Architecture:
     if arch.conv and set(config.layer_types) - {"full_attention", "conv"}:
         bad = sorted(set(config.layer_types) - {"full_attention", "conv"})
         raise UnknownSourceError(f"{name}: layer type {bad[0]!r} is not implemented (supported: full_attention, conv)")
+    mixers = {"full_attention", "linear_attention"}
+    if arch.mamba and set(config.layer_types) - mixers:
+        bad = sorted(set(config.layer_types) - mixers)
+        raise UnknownSourceError(f"{name}: layer type {bad[0]!r} is not implemented (supported: "
+                                 f"{', '.join(sorted(mixers))})")
     if other and arch.windows == "layer_types":
         raise UnknownSourceError(f"{name}: layer type {other[0]!r} is not implemented (supported: "
                                  f"{', '.join(LAYER_TYPES)})")

@@ -165,8 +165,16 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
         backend = resolve_backend(backend)
         if target_weights != "float32":
             backend = "onnxruntime"
-        for role, spec in manifest["models"].items():
-            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, fuse)
+        for role, spec in sorted(manifest["models"].items(), key=lambda kv: kv[0] == "self"):   # self last
+            if role == "self" and backend == "onnxruntime":   # it runs in the target's engine (self_spec.skip_graph)
+                spec["engine"] = {**manifest["models"]["target"]["engine"], "layer_skip": "target",
+                                  "own_weight_bytes": 0}
+                from specrt.export.onnx_files import remove
+                remove(directory / "self.ort.onnx")   # an engine of its own, from an earlier build
+                log(f"built self: the target engine over its layers {spec['kept_layers']}, on its skip_layers input")
+                continue
+            spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, fuse,
+                                         manifest["models"].get("self", {}).get("kept_layers"))
             log(f"built {role} ({spec['engine']['weights']} weights): {directory / spec['engine']['file']}")
             for kind, e in spec["engine"].get("quantized", {}).get("requantized", {}).items():
                 log(f"  {e['tensors']} {kind} weights of the GGUF file requantized to {target_weights} (no exact "
@@ -192,9 +200,10 @@ def _check_memory(directory: Path, manifest: dict, kind: str, limit: float | Non
 
 
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
-                target_weights: str = "float32", fuse: bool = False) -> dict:
+                target_weights: str = "float32", fuse: bool = False, self_layers: list[int] | None = None) -> dict:
     """Build one model's engine in a scratch directory beside the set (every step writes a graph and its data file
-    there), then move the engine and its data file into place."""
+    there), then move the engine and its data file into place. `self_layers`: the self drafter's kept layers, run
+    by the target's ONNX Runtime engine on its `skip_layers` input (specrt.export.self_spec.skip_graph)."""
     from specrt.export.onnx_files import data_path, float32_file, remove
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"
@@ -227,15 +236,17 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
                 extra["fused"] = fuse_file(source, work / "fused.onnx", spec)
                 source = work / "fused.onnx"
             build_ort(source, built)
+            if role == "target" and self_layers:
+                import onnx
+
+                from specrt.export.self_spec import skip_graph
+                graph_only = onnx.load(str(built), load_external_data=False)
+                onnx.save_model(skip_graph(graph_only, self_layers, spec["layers"]), str(built))
+                extra["self_layers"] = self_layers
         remove(engine)   # the old engine and its data file
         for f in (built, data_path(built)):
             if f.exists():
                 os.replace(f, directory / f.name)
-    if role == "self" and suffix == ".ort.onnx":   # its weights: the target engine's tensors (export/self_spec.py)
-        from specrt.export.self_spec import share_weights
-        extra["own_weight_bytes"] = share_weights(engine, directory / f"target{suffix}")
-        return {**file_entry(directory, engine.name, data=extra["own_weight_bytes"] > 0), "weights": weights,
-                "weights_of": "target", "backend": "onnxruntime", **extra}
     return {**file_entry(directory, engine.name), "weights": weights,
             "backend": "onnxruntime" if suffix == ".ort.onnx" else backend, **extra}
 

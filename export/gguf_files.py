@@ -1,12 +1,13 @@
 """GGUF files as export sources, judged from their header alone (the metadata and the tensor table, no tensor data)
-before anything is converted: an architecture that specrt exports and transformers' GGUF loader reads (a mixture
-of experts only as Qwen3-MoE: a Mixtral file is a llama file with experts, which the loader does not read), and every
-tensor of a type that the `gguf` package dequantizes (transformers' loader calls it for these
-architectures). The header is walked here rather than by `gguf.GGUFReader`, which makes arrays of every vocabulary
-entry first: 11 s for Gemma 3's 262,144 tokens, against 0.2 s."""
+before anything is converted: an architecture that specrt exports, read by transformers' GGUF loader or, for the
+mixtures it does not read (Mixtral, a llama file with experts; OLMoE; Granite MoE), by specrt.export.gguf_moe; every
+tensor of a type that the `gguf` package dequantizes (both readers call it); no MTP layer (`nextn` tensors). The
+header is walked here rather than by `gguf.GGUFReader`, which makes arrays of every vocabulary entry first: 11 s for
+Gemma 3's 262,144 tokens, against 0.2 s."""
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from functools import cache
@@ -150,12 +151,44 @@ def model_type(architecture: str) -> str:
     return MODEL_TYPES.get(architecture, architecture)
 
 
+# the file's general.architecture -> transformers' model_type (a llama file with experts is Mixtral)
+MOE_ARCHITECTURES = {"olmoe": "olmoe", "granitemoe": "granitemoe", "llama": "mixtral"}
+PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")   # older converters' Mixtral files
+
+
+def moe_type(header: GGUFHeader) -> str | None:
+    """The registered model type of a mixture that specrt.export.gguf_moe reads, or None (a file transformers'
+    loader reads)."""
+    arch = header.architecture
+    if arch == "llama" and not header.metadata.get("llama.expert_count"):
+        return None
+    return MOE_ARCHITECTURES.get(arch)
+
+
+def check_moe(header: GGUFHeader, name: str) -> None:
+    """UnknownSourceError naming what specrt.export.gguf_moe does not read in a file of one of its architectures."""
+    arch = header.architecture
+    old = [t.name for t in header.tensors if PER_EXPERT.fullmatch(t.name)]
+    if old:
+        raise UnknownSourceError(f"{name} keeps one tensor per expert ({old[0]}, ...), as llama.cpp's converter did "
+                                 "before it stacked them (ffn_gate_exps); convert the checkpoint again with a "
+                                 "current llama.cpp, or export the checkpoint directory")
+    shared = [t.name for t in header.tensors if "_shexp." in t.name]
+    if shared:
+        raise UnknownSourceError(f"{name} is a {arch!r} file with shared experts ({shared[0]}, ...): Granite MoE "
+                                 "with shared experts is not implemented; export a model without them")
+    if not header.metadata.get(f"{arch}.expert_count"):
+        raise UnknownSourceError(f"{name} is a {arch!r} file without experts (no {arch}.expert_count): a dense "
+                                 f"{arch} model is not an architecture specrt exports")
+
+
 def exported_architectures() -> list[str]:
-    """The GGUF architectures that specrt exports: registered ones that transformers' GGUF loader reads."""
+    """The GGUF architectures that specrt exports: registered ones that transformers' GGUF loader reads, and the
+    mixtures that specrt.export.gguf_moe reads."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from specrt.export.architectures import REGISTRY
     names = (FILE_NAMES.get(a, a) for a in GGUF_SUPPORTED_ARCHITECTURES)
-    return sorted(a for a in names if model_type(a) in REGISTRY)
+    return sorted({a for a in names if model_type(a) in REGISTRY} | set(MOE_ARCHITECTURES))
 
 
 def check_gguf(path: str | Path, name: str | None = None) -> GGUFHeader:
@@ -164,19 +197,23 @@ def check_gguf(path: str | Path, name: str | None = None) -> GGUFHeader:
     header = read_header(path)
     name = name or str(path)
     arch = header.architecture
+    nextn = sorted({t.name.split(".nextn.")[0] for t in header.tensors if ".nextn." in t.name})
+    if nextn:   # llama.cpp writes MTP layers for GLM-4.5 (glm4moe) and its kin; its DeepSeek-V3 converter drops them
+        raise UnknownSourceError(
+            f"{name} is a {arch!r} GGUF file with an MTP layer ({nextn[0]}.nextn.*), which specrt does not read: "
+            "llama.cpp writes such layers only for architectures that specrt does not export as targets (GLM-4.5's "
+            "glm4moe: shared experts, sigmoid routing with an expert bias); for --method mtp, export a checkpoint "
+            "directory that ships the module (docs/drafters.md)")
     supported = exported_architectures()
     if arch not in supported:
         raise UnknownSourceError(f"{name} is a GGUF file of architecture {arch!r}, which specrt does not export; "
                                  f"GGUF architectures it exports: {', '.join(supported)}")
-    if arch == "llama" and header.metadata.get("general.name") == "mistral":
+    if moe_type(header):   # a mixture that transformers' loader does not read (a llama file with experts)
+        check_moe(header, name)
+    elif arch == "llama" and header.metadata.get("general.name") == "mistral":
         raise UnknownSourceError(f"{name}: transformers' GGUF loader reads a llama file whose general.name is "
                                  "exactly 'mistral' as a Mistral model, and then fails (the gguf package has no "
                                  "'mistral' tensor names); a file with any other name loads as the llama model it is")
-    experts = header.metadata.get(f"{arch}.expert_count")
-    from specrt.export.architectures import REGISTRY
-    if experts and not REGISTRY[model_type(arch)].experts_key:   # a Mixtral file is a llama one with experts
-        raise UnknownSourceError(f"{name} is a {arch!r} GGUF file with a mixture of experts ({arch}.expert_count = "
-                                 f"{experts}): not implemented from a GGUF file; export the model's checkpoint directory")
     refused: dict[str, list[str]] = {}
     for t in header.tensors:
         if not dequantized(t.type):

@@ -11,8 +11,8 @@ A draft may keep a reduced output vocabulary (`vocab_subset`, K ids): its lm_hea
 scattered into a full row that is -inf elsewhere, so the output stays [B, n, V] and every other id has draft
 probability exactly zero (the rejection rule stays exact).
 A mixture of experts routes each token of its sparse layers to its top-k experts (specrt.export.moe).
-LFM2's conv layers keep their inputs in cache pairs of their own (specrt.export.hybrid): `caches` holds
-hybrid.cache_layers(args) pairs, layer i's from hybrid.cache_index(args)[i].
+LFM2's conv layers and Granite 4.0-H's Mamba-2 layers keep their inputs in cache pairs of their own
+(specrt.export.hybrid): `caches` holds hybrid.cache_layers(args) pairs, layer i's from hybrid.cache_index(args)[i].
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from specrt.export.architectures import Architecture, architecture_of, layer_windows
-from specrt.export.hybrid import ShortConv, cache_index, conv_taps, lfm2_ff_size, lfm2_weights
+from specrt.export.hybrid import (Mamba2, ShortConv, cache_index, conv_taps, granite_hybrid_weights, lfm2_ff_size,
+                                  lfm2_weights, mamba_context)
 from specrt.export.moe import SparseMoE, split_experts
 from specrt.plugins.tree_attention import tree_attention
 
@@ -62,12 +63,26 @@ class ModelArgs:
     conv_layers: tuple[bool, ...] = ()   # per layer: LFM2's gated short convolution in place of attention
     conv_kernel: int = 0           # its kernel K (conv_L_cache)
     conv_bias: bool = False
+    rope: bool = True              # attention rotates q and k (Granite 4.0-H's position_embedding_type may say not)
+    shared_mlp: bool = False       # a dense MLP of intermediate_size beside the routed experts (Granite 4.0-H)
+    mamba_layers: tuple[bool, ...] = ()   # per layer: a Mamba-2 mixer in place of attention (Granite 4.0-H)
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0           # N: the state's width per head and channel
+    mamba_groups: int = 0          # B and C are shared by groups of mamba_heads / mamba_groups heads
+    mamba_kernel: int = 0          # the conv's kernel K
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))   # dt clamped after softplus
 
 
 def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[str]) -> ModelArgs:
     """The graph's options from a transformers config and the names of its weights (which biases exist)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layer = "model.layers.0."
+    if arch.mamba:   # layer 0 may be a Mamba-2 layer: the first attention layer's biases
+        layer = f"model.layers.{config.layer_types.index('full_attention')}." \
+            if "full_attention" in config.layer_types else layer
     windows = layer_windows(config, arch)
     L, E = config.num_hidden_layers, getattr(config, arch.experts_key, 0) if arch.experts_key else 0
     sparse = tuple(bool(E) and not (arch.sparse_step and (i in (config.mlp_only_layers or [])
@@ -77,7 +92,8 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
     conv = tuple(t == "conv" for t in config.layer_types[:L]) if arch.conv else ()
     return ModelArgs(
         architecture=arch.name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=lfm2_ff_size(config) if arch.conv else config.intermediate_size,
+        intermediate_size=lfm2_ff_size(config) if arch.conv else getattr(config, arch.shared_key) if arch.shared_key
+        else config.intermediate_size,
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, rms_norm_eps=getattr(config, arch.eps_key), max_seq_len=max_seq_len,
@@ -99,7 +115,18 @@ def args_from_config(config, arch: Architecture, max_seq_len: int, weights: set[
         num_experts=E, top_k=config.num_experts_per_tok if E else 0,
         expert_size=getattr(config, arch.moe_size_key) if E else 0, norm_topk_prob=bool(norm_topk),
         conv_layers=conv, conv_kernel=config.conv_L_cache if conv else 0, conv_bias=bool(conv) and config.conv_bias,
+        rope=not arch.mamba or config.position_embedding_type == "rope", shared_mlp=bool(arch.shared_key) and bool(E),
+        **(mamba_args(config) if arch.mamba else {}),
     )
+
+
+def mamba_args(config) -> dict:
+    """Granite 4.0-H's Mamba-2 options (GraniteMoeHybridConfig)."""
+    return dict(mamba_layers=tuple(t == "linear_attention" for t in config.layer_types[:config.num_hidden_layers]),
+                mamba_heads=config.mamba_n_heads, mamba_head_dim=config.mamba_d_head, mamba_state=config.mamba_d_state,
+                mamba_groups=config.mamba_n_groups, mamba_kernel=config.mamba_d_conv,
+                mamba_conv_bias=config.mamba_conv_bias, mamba_proj_bias=config.mamba_proj_bias,
+                dt_limit=tuple(map(float, config.time_step_limit or (0.0, float("inf")))))
 
 
 def plain_layers(a: ModelArgs) -> ModelArgs:
@@ -107,7 +134,7 @@ def plain_layers(a: ModelArgs) -> ModelArgs:
     return replace(a, act="silu", qk_norm=False, sandwich_norms=False, embed_scale=1.0, attn_scale=0.0,
                    attn_softcap=0.0, final_softcap=0.0, windows=(), local_rope=(), qk_norm_whole=False,
                    residual_scale=1.0, logits_scale=1.0, sparse_layers=(), num_experts=0, top_k=0, expert_size=0,
-                   conv_layers=(), conv_kernel=0, conv_bias=False)
+                   conv_layers=(), conv_kernel=0, conv_bias=False, rope=True, shared_mlp=False, mamba_layers=())
 
 
 # the MLP activations by their transformers names (architectures.ACTIVATIONS lists them)
@@ -163,8 +190,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, a.num_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         if a.qk_norm and not a.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q.transpose(1, 2), cos, sin)                                      # (B, H, S, D)
-        k = rope(k.transpose(1, 2), cos, sin)                                      # (B, Hkv, S, D)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                                # (B, H, S, D), (B, Hkv, S, D)
+        if a.rope:
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         y = tree_attention(q, k_cache, v_cache, k, v, past_len, tree_mask, self.scale, self.window, a.attn_softcap)
         y = y.transpose(1, 2).reshape(B, S, a.num_heads * a.head_dim)               # (B, S, H*D)
         return self.o_proj(y), k, v
@@ -189,6 +217,8 @@ class Block(nn.Module):
         self.sandwich, self.residual_scale = a.sandwich_norms, a.residual_scale
         if a.conv_layers and a.conv_layers[index]:   # LFM2's conv layer (specrt.export.hybrid)
             self.conv = ShortConv(a)
+        elif a.mamba_layers and a.mamba_layers[index]:   # Granite 4.0-H's Mamba-2 mixer (specrt.export.hybrid)
+            self.mamba = Mamba2(a, ACTIVATIONS[a.act])
         else:
             self.self_attn = Attention(a, a.windows[index] if a.windows else 0)
         if a.sparse_layers and a.sparse_layers[index]:
@@ -196,6 +226,8 @@ class Block(nn.Module):
                                  lambda: MLP(a, a.expert_size))
         else:
             self.mlp = MLP(a)
+        if a.shared_mlp:
+            self.shared_mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.sandwich_norms:
@@ -203,15 +235,18 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, cos, sin, past_len, tree_mask, *caches, taps=None):
-        """-> x and the new cache entries: keys and values, or a conv layer's inputs (`taps`: hybrid.conv_taps)."""
+        """-> x and the new cache entries: keys and values, or a conv or Mamba-2 layer's inputs (`taps`:
+        hybrid.conv_taps or hybrid.mamba_context)."""
         if taps is not None:
-            h, *new = self.conv(self.input_layernorm(x), taps, caches)
+            mixer = self.conv if hasattr(self, "conv") else self.mamba
+            h, *new = mixer(self.input_layernorm(x), taps, caches)
         else:
             h, *new = self.self_attn(self.input_layernorm(x), cos, sin, past_len, tree_mask, *caches)
         if not self.sandwich:
             r = self.residual_scale   # Granite's residual multiplier; 1: none
             x = x + (h if r == 1.0 else h * r)
-            y = self.mlp(self.post_attention_layernorm(x))
+            h = self.post_attention_layernorm(x)
+            y = self.mlp(h) + self.shared_mlp(h) if hasattr(self, "shared_mlp") else self.mlp(h)
             return x + (y if r == 1.0 else y * r), *new
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), *new
@@ -250,13 +285,16 @@ class SpecModel(nn.Module):
             rotations.append((self.local_cos[position_ids].unsqueeze(1), self.local_sin[position_ids].unsqueeze(1)))
         new_kv, aux, conv = [], {}, self.args.conv_layers
         taps = conv_taps(position_ids, past_len, tree_mask, self.args) if any(conv) else None
-        start = cache_index(self.args)
+        start, mamba = cache_index(self.args), self.args.mamba_layers
+        if any(mamba):
+            first = 2 * start[mamba.index(True)]
+            taps = mamba_context(position_ids, past_len, tree_mask, caches[first], self.args)
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 aux[i] = x
             cos, sin = rotations[bool(self.args.local_rope) and self.args.local_rope[i]]
             x, *new = layer(x, cos, sin, past_len, tree_mask, *caches[2 * start[i]:2 * start[i + 1]],
-                            taps=taps if conv and conv[i] else None)
+                            taps=taps if (conv and conv[i]) or (mamba and mamba[i]) else None)
             new_kv += new
         aux[len(self.model.layers)] = x
         hidden = self.model.norm(x)                                      # (B, S, d)
@@ -313,6 +351,8 @@ def hf_weights(state: dict, arch: Architecture, a: ModelArgs) -> dict:
         state = split_experts(state, arch.moe_block, arch.router)
     if arch.conv:
         state = lfm2_weights(state)
+    if arch.mamba:
+        state = granite_hybrid_weights(state, a)
     return state
 
 
@@ -322,7 +362,8 @@ def from_hf(hf_model, max_seq_len: int, vocab_subset: list[int] | None = None) -
     arch = architecture_of(config, f"{config.model_type!r} checkpoint")
     state = hf_model.state_dict()
     args = args_from_config(config, arch, max_seq_len, set(state))
-    cos, sin = rope_tables(hf_model, max_seq_len, "full_attention" if arch.local_rope else None)
+    cos, sin = rope_tables(hf_model, max_seq_len, "full_attention" if arch.local_rope else None) if args.rope \
+        else (torch.zeros(max_seq_len, 0),) * 2   # no rotation (Granite 4.0-H without rope)
     local = rope_tables(hf_model, max_seq_len, "sliding_attention") if any(args.local_rope) else None
     index = None if vocab_subset is None else torch.tensor(vocab_subset, dtype=torch.int64)
     with torch.device("meta"):   # no weights of its own: it takes the model's tensors (assign), no second copy

@@ -180,7 +180,7 @@ def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> 
     graph = model.graph
     path = tensors.header.path
     axes = numpy_helper.from_array(np.array([-1], np.int64), "gguf_axes")
-    new_nodes, new_inits, counts, added, done, block_sums = [], [axes], Counter(), set(), set(), {}
+    new_nodes, new_inits, counts, added, done, block_sums, ranks = [], [axes], Counter(), set(), set(), {}, None
     for node in graph.node:
         quantized = node.op_type in ("MatMul", "Gather") and not node.name.endswith(ROUTER)
         t, part = tensors.find(_module(node.name)) if quantized else (None, None)
@@ -221,15 +221,19 @@ def gguf_blocks(model: onnx.ModelProto, tensors: "gguf_tensors", spec: dict) -> 
                                           accuracy_level=ACCURACY_LEVEL[bits]))
         if m is not None:              # y += block_sums(x) @ m.T: the blocks' offsets, exactly
             if (x, block) not in block_sums:
+                if ranks is None:   # x is (B, S, K), or (n, K): the rows a mixture's expert gathered
+                    from specrt.export.onnx_files import infer_shapes
+                    ranks = _ranks(graph.input, infer_shapes(model).graph.value_info)
+                lead = [0] * (ranks.get(x, 3) - 1)                                 # x's leading dimensions
                 sums = block_sums[x, block] = f"{x}_block_sums{block}"
-                shape = numpy_helper.from_array(np.array([0, 0, n_blocks, block], np.int64), f"{sums}_shape")
+                shape = numpy_helper.from_array(np.array(lead + [n_blocks, block], np.int64), f"{sums}_shape")
                 new_inits.append(shape)
-                new_nodes += [helper.make_node("Reshape", [x, shape.name], [f"{sums}_blocks"]),  # (B, S, nb, 32)
+                new_nodes += [helper.make_node("Reshape", [x, shape.name], [f"{sums}_blocks"]),  # (..., nb, 32)
                               helper.make_node("ReduceSum", [f"{sums}_blocks", axes.name], [sums],
-                                               keepdims=0)]                                      # (B, S, nb)
+                                               keepdims=0)]                                      # (..., nb)
             added.add(f"{node.name}_offsets")
             new_nodes += [helper.make_node("MatMul", [block_sums[x, block], f"{p}_offsets"], [f"{y}_offsets"],
-                                           name=f"{node.name}_offsets"),                    # (B, S, N)
+                                           name=f"{node.name}_offsets"),                    # (..., N)
                           helper.make_node("Add", [out, f"{y}_offsets"], [y])]
     graph.initializer.extend(new_inits)
     _set_nodes(model, new_nodes)
@@ -286,15 +290,17 @@ def _module(node_name: str) -> str:
 
 class gguf_tensors:
     """A GGUF file's tensors by transformers module name, rows in transformers' order (its loader's permutation of
-    q/k for rotary, where it applies one: llama files), the tied output falling back to the token embedding; a
-    projection that the file keeps fused (Phi-3's attn_qkv [q; k; v] and ffn_up [gate; up]) as its rows of it."""
+    q/k for rotary, where it applies one: llama files, and Granite MoE files as specrt.export.gguf_moe reads them),
+    the tied output falling back to the token embedding; a projection that the file keeps fused (Phi-3's attn_qkv
+    [q; k; v] and ffn_up [gate; up]) as its rows of it."""
 
     FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
              "up_proj": "gate_up_proj"}
 
     def __init__(self, path: Path, spec: dict):
         import gguf
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
+        from specrt.export.gguf_moe import QK_PERMUTED
         self.header = read_header(path)
         arch = self.header.architecture
         ids = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
@@ -303,8 +309,8 @@ class gguf_tensors:
         self.by_name = {t.name: _Tensor(t.name, getattr(gguf.GGMLQuantizationType, t.type, None), t, self.header)
                         for t in self.header.tensors}
         self.names = gguf.get_tensor_name_map(ids[0], spec["layers"])
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)({"num_attention_heads": spec["heads"],
-                                                                      "num_key_value_heads": spec["kv_heads"]})
+        processor = TENSOR_PROCESSORS.get(arch, LlamaTensorProcessor if arch in QK_PERMUTED else TensorProcessor)
+        self.processor = processor({"num_attention_heads": spec["heads"], "num_key_value_heads": spec["kv_heads"]})
         self.spec = spec
 
     def get(self, module: str):

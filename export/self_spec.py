@@ -4,9 +4,11 @@ The engine set's `self` model is the target's graph over the kept layers only: t
 (its own small cache, `layers` = the kept count), run by the draft model's drafter (`--method self`, chains and
 `--tree`); verification is the target's, so the output is the target's. Its weights are the target's own tensors:
 `share_weights` points every initializer of the self graph at the tensor with the same bytes in the target graph's
-data file (the same file, the same offset), so the self graph adds no weight bytes on disk. The build does the same
-for the built engines (`self.ort.onnx` over `target.ort.onnx.data`). In memory the self engine is a session of its
-own: on the CPU each session repacks its MatMul weights, shared values or not (docs/notes/2026-12-self-speculation.md).
+data file (the same file, the same offset), so the self graph adds no weight bytes on disk. An ONNX Runtime build
+puts it inside the target's engine instead (`skip_graph`: the skipped layers in an `If` on a `skip_layers` input),
+run by the target's own session (specrt.engines.base.LayerSkipEngine): the weights, and ONNX Runtime's repacked
+copies of them, are in memory once (docs/notes/2026-12-self-speculation.md). TensorRT and CUDA builds still build
+`self.onnx` into an engine of its own.
 
 Which layers: `--self-layers` at export: a list ("0-14,29"), "half" (the first half and the last layer), or "auto",
 a greedy layer-skip search on calibration prompts (`search`): drop the layer whose removal keeps the most top-1
@@ -23,6 +25,7 @@ import numpy as np
 import onnx
 import torch
 
+from specrt.engines.manifest import SKIP_INPUT
 from specrt.errors import InputError
 from specrt.export.model import SpecModel
 
@@ -200,3 +203,101 @@ def search_layers(target: SpecModel, prompts: list[list[int]], log=print) -> tup
                 break
     return best[1], {"steps": steps, "positions": sum(s.shape[1] - t for s, t in zip(seqs, starts)),
                      "prompts": len(prompts)}
+
+
+def skip_graph(model: onnx.ModelProto, kept: list[int], num_layers: int) -> onnx.ModelProto:
+    """The target graph with the self drafter inside it: each run of skipped layers in an ONNX `If` on the bool
+    scalar input SKIP_INPUT. False: the layers run as before. True: the hidden state passes them unchanged (the
+    next layer's input norm is taken of the state that entered the run), their caches are returned as given (an
+    output bound to its input's buffer: nothing copied) and their new keys and values are scratch (the cache's
+    first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): the run is a
+    subgraph over the outer graph's initializers. Made for the graphs that `specrt build` writes (checked on its
+    fused ones, the default): the residual stream between layers i and i+1 is the tensor `/layers.i/Add_1_output_0`,
+    and the one entering layer a is the first input of the node that writes `/layers.a/Add_output_0`."""
+    from onnx import helper
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output if o}
+    outputs = {o.name: o for o in g.output}
+    for a, b in _runs([i for i in range(num_layers) if i not in kept]):
+        if b == num_layers - 1:
+            raise InputError(f"kept layers {_ranges(kept)}: the self drafter keeps the target's last layer")
+        enter = producer[f"/layers.{a}/Add_output_0"].input[0]              # the residual stream entering layer a
+        boundary = producer[f"/layers.{b}/Add_1_output_0"]                  # writes the stream leaving layer b
+        inside = _between(g, enter, boundary)
+        moved = {id(n) for n in inside}   # (a NodeProto's == compares its contents)
+        names = [o for n in inside for o in n.output if o]
+        read_after = set().union(*(_reads(n) for n in g.node if id(n) not in moved))
+        needed = [o for o in names if o in outputs or o in read_after]
+        then_nodes, then_out = [], []
+        for name in needed:
+            out = f"{name}/skipped"
+            if name == f"/layers.{b}/Add_1_output_0":
+                then_nodes.append(helper.make_node("Identity", [enter], [out]))
+            elif boundary.op_type == "SkipSimplifiedLayerNormalization" and name == boundary.output[0]:
+                eps = next((x.f for x in boundary.attribute if x.name == "epsilon"), 1e-5)
+                then_nodes.append(helper.make_node("SimplifiedLayerNormalization", [enter, boundary.input[2]],
+                                                   [out], epsilon=eps, axis=-1))
+            elif name.endswith("_written"):                                  # a cache, as given
+                then_nodes.append(helper.make_node("Identity", [name[:-len("_written")]], [out]))
+            elif name.startswith(("k_new_", "v_new_")):                      # (B, Hkv, S, D) of scratch
+                cache = f"{name[0]}_cache_{name.split('_')[-1]}"
+                then_nodes += [helper.make_node("Shape", ["input_ids"], [f"{out}/shape"], start=1, end=2),
+                               helper.make_node("Constant", [], [f"{out}/zero"], value_ints=[0]),
+                               helper.make_node("Constant", [], [f"{out}/axis"], value_ints=[2]),
+                               helper.make_node("Slice", [cache, f"{out}/zero", f"{out}/shape", f"{out}/axis"],
+                                                [out])]
+            else:
+                raise InputError(f"layers {a}-{b} of the target graph: {name!r} is read after them, and the self "
+                                 "drafter has nothing to give for it")
+            then_out.append(out)
+        elem = outputs["hidden"].type.tensor_type.elem_type
+        typed = lambda n: helper.make_tensor_value_info(                    # noqa: E731
+            n, outputs[n].type.tensor_type.elem_type if n in outputs else elem, None)
+        then = helper.make_graph(then_nodes, f"skip_{a}_{b}", [], [helper.make_tensor_value_info(
+            o, typed(n).type.tensor_type.elem_type, None) for o, n in zip(then_out, needed)])
+        run = helper.make_graph(inside, f"layers_{a}_{b}", [], [typed(n) for n in needed])
+        node = helper.make_node("If", [SKIP_INPUT], needed, name=f"/layers.{a}-{b}/skip", then_branch=then,
+                                else_branch=run)
+        at = min(i for i, n in enumerate(g.node) if id(n) in moved)
+        rest = [n for n in g.node if id(n) not in moved]
+        del g.node[:]
+        g.node.extend(rest[:at] + [node] + rest[at:])
+        producer = {o: n for n in g.node for o in n.output if o}
+    g.input.append(helper.make_tensor_value_info(SKIP_INPUT, onnx.TensorProto.BOOL, []))
+    return model
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """[3, 4, 5, 8] -> [(3, 5), (8, 8)]."""
+    out = []
+    for i in layers:
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors a node reads, its subgraphs' reads of the outer scope included."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            names.update(*(_reads(n) for n in sub.node))
+    return names
+
+
+def _between(g: onnx.GraphProto, enter: str, boundary: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """The nodes that depend on the tensor `enter`, up to and including `boundary` (none that depend on what
+    `boundary` writes), in graph order."""
+    reached, after, inside = {enter}, set(boundary.output), []
+    for n in g.node:
+        reads = _reads(n)
+        if reads & after:
+            after.update(n.output)
+        elif reads & reached:
+            inside.append(n)
+            reached.update(n.output)
+    assert any(n is boundary for n in inside), boundary.name
+    return inside
+

@@ -4,8 +4,9 @@ ships (`export/drafters/NAME`), or a local Hugging Face checkpoint directory. No
 directory may hold `specrt_vocab.json` ({"kept_ids": [...]}): the output ids a draft keeps in its graph (see
 export/model.py).
 
-A GGUF file's tokenizer, chat template and context length are transformers' reading of it; its end-of-sequence ids
-are the file's end-of-sequence, end-of-turn and end-of-message tokens. transformers takes ~35 s to read the default
+A GGUF file's tokenizer, chat template and context length are transformers' reading of it (its model too, but for
+the mixtures that its loader does not read: specrt.export.gguf_moe); its end-of-sequence ids are the file's
+end-of-sequence, end-of-turn and end-of-message tokens. transformers takes ~35 s to read the default
 GGUF file (its reader walks the 49,152-token vocabulary field by field and rebuilds the tensor-name map per module);
 the dequantized float32 model of any GGUF file is kept as a checkpoint directory in the source cache
 (`$SPECRT_CACHE`, else `$XDG_CACHE_HOME/specrt`, else `~/.cache/specrt`; `SPECRT_CACHE=off` turns it off), keyed by
@@ -159,8 +160,13 @@ def _load_gguf(directory: Path, file: str):
             print(f"specrt: the cached conversion {cached} does not load ({e}); converting the GGUF file again",
                   file=sys.stderr)
             shutil.rmtree(cached, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
+    from specrt.export import gguf_moe
+    from specrt.export.gguf_files import moe_type, read_header
+    if moe_type(read_header(directory / file)):   # a mixture that transformers' loader does not read
+        model, tok = gguf_moe.load(directory / file, repr(file))
+    else:
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
     if cached is not None:
         _save_conversion(model, tok, cached)
     return model, tok

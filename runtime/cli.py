@@ -524,6 +524,9 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
                    "prompts that start the same way: a chat's next turn, a shared system prompt; 0: off. Default: "
                    "512 MB, or 1/8 of the memory available once the engines are loaded (the GPU's on CUDA) if that "
                    "is less; each replica its own.")
+@click.option("--prefix-routing/--no-prefix-routing", default=None,
+              help="With --replicas: send a request to the replica whose prefix cache holds its prefix (a chat's "
+                   "earlier turns), else to the less loaded of two. Default: on where the prefix cache is.")
 @click.option("--tool-parser", default="auto", show_default=True,
               type=click.Choice([TOOL_PARSER, *TOOL_FORMATS]),
               help="The format of tool calls: hermes (<tool_call> blocks: Qwen2.5, Qwen3), llama3_json (Llama 3.1's "
@@ -536,7 +539,7 @@ def gpu_check(out, device, random_weights, tiny, prompts, max_new_tokens, contex
                    "chat template mentions <think>; none: off, the reasoning is content (docs/serving.md, Reasoning).")
 def serve(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, api_key, api_key_file,
           max_waiting, request_timeout, max_body_bytes, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb,
-          tool_parser, reasoning_parser):
+          prefix_routing, tool_parser, reasoning_parser):
     """Serve ENGINES over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health). Concurrent requests are decoded together (continuous batching: a request joins the running batch
     at the next round when its method and sampling options match it, else waits for it to drain); speculation
@@ -552,8 +555,11 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
         if replicas is not None or autoscale is not None:
             _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk,
                             limits, replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser,
-                            reasoning_parser)
+                            reasoning_parser, prefix_routing)
             return
+        if prefix_routing is not None:
+            raise click.UsageError("--prefix-routing/--no-prefix-routing routes among replicas: give --replicas N or "
+                                   "--autoscale MIN:MAX, or drop it")
         run(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
             suffix_cache_mb, prefix_cache_mb, tool_parser, reasoning_parser)
     except SpecrtError as e:
@@ -562,7 +568,7 @@ def serve(engines, host, port, model_name, method, device, threads, max_batch, p
 
 def _serve_replicas(engines, host, port, model_name, method, device, threads, max_batch, prefill_chunk, limits,
                     replicas, autoscale, datastore, suffix_cache_mb, prefix_cache_mb, tool_parser=TOOL_PARSER,
-                    reasoning_parser=REASONING_PARSER):
+                    reasoning_parser=REASONING_PARSER, prefix_routing=None):
     """`specrt serve --replicas N` / `--autoscale MIN:MAX`: the server's app in Ray Serve replicas."""
     try:
         from specrt.serving.replicas import ReplicaConfig, run
@@ -581,19 +587,33 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
     count = replicas or (bounds[1] if bounds else 1)
     threads = threads or max(1, (os.cpu_count() or 1) // count)
     config = ReplicaConfig(engines, model_name, method, device, threads, max_batch, prefill_chunk, limits, datastore,
-                           suffix_cache_mb, prefix_cache_mb, tool_parser, reasoning_parser)
+                           suffix_cache_mb, prefix_cache_mb, tool_parser, reasoning_parser, prefix_routing)
     run(config, host, port, replicas or 1, bounds)
 
 
 @main.command("bench-serve")
 @click.argument("engines", type=click.Path(exists=True, file_okay=False))
-@click.option("--concurrency", default="1,2,4,8", show_default=True,
-              help="Requests in flight at once, one wave each (comma-separated); 1 is the one-at-a-time baseline.")
-@click.option("--method", type=click.Choice(["autoregressive", "draft", "ngram", "medusa", "eagle", "mtp", "self",
-                                             "rest"]),
-              default="autoregressive", show_default=True)
+@click.option("--concurrency", default=None,
+              help="Closed loop: requests sent at once, one wave each (comma-separated; default 1,2,4,8 unless "
+                   "--rate is given).")
+@click.option("--rate", default=None, metavar="R1,R2",
+              help="Open loop: Poisson arrivals at these request rates a second (comma-separated), seeded "
+                   "exponential gaps, in turns of 16 requests.")
+@click.option("--method", default="autoregressive", show_default=True, metavar="M1,M2",
+              help="The arms: methods (auto included), comma-separated, each request asking for its own through "
+                   "one server; they take turns at each load, and their greedy answers are compared.")
+@click.option("--temperature", default="0", show_default=True, metavar="T1,T2",
+              help="Temperatures (comma-separated; 0 is greedy); sampled requests are seeded by their index.")
+@click.option("--prompts", default="mt-bench", show_default=True,
+              type=click.Choice(["mt-bench", "code", "long", "mixed"]),
+              help="The packaged prompt sets (long: cut to 1024 tokens); mixed: MT-Bench, code, MT-Bench, long, "
+                   "over and over.")
+@click.option("--llama-server", "llama_server", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="An arm of llama.cpp's server (make llama-server: build/llama.cpp/bin/llama-server) with a slot "
+                   "for each concurrent request, on the GGUF file the target came from, the same prompts, threads, "
+                   "token counts and temperatures.")
 @click.option("--requests", default=16, show_default=True, type=click.IntRange(1, 10000),
-              help="Requests per wave (MT-Bench prompts, repeated if needed).")
+              help="Requests per load (prompts of --prompts, repeated if needed).")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--threads", default=None, type=int, help="The server's engine threads (default: all cores).")
 @click.option("--out", default="bench-serve-out", show_default=True, type=click.Path(file_okay=False),
@@ -623,15 +643,27 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
               help="Instead of the waves: --requests MT-Bench questions one at a time under one system prompt of "
                    "about TOKENS tokens (the first packaged long prompt, cut), against a server with its prefix cache "
                    "off and one with it on; reports each request's time to first token and total time side by side.")
-def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out, long_prompt, streams,
-                prefill_chunk, replicas, suffix_cache, prefix_cache_mb, shared_prefix):
-    """Throughput and time to first token of `specrt serve ENGINES` against concurrency: a real server process
-    under streamed greedy chat requests, each wave measured side by side in one run, with the server's rounds by
-    batch size (how often each size speculated); or (--long-prompt) how a long prompt that joins running
-    streams delays them. Needs the serve extra."""
+def bench_serve(engines, concurrency, rate, method, temperature, prompts, llama_server, requests, max_tokens,
+                threads, out, long_prompt, streams, prefill_chunk, replicas, suffix_cache, prefix_cache_mb,
+                shared_prefix):
+    """Throughput and latency of `specrt serve ENGINES` under load: a real server process under streamed chat
+    requests, closed-loop waves and Poisson arrivals, the arms (methods, llama.cpp's server) in turns at each load;
+    output tokens/s, requests/s, time to first token, inter-token and end-to-end latency percentiles, the batch
+    sizes run (serve_bench.md, .json, .png); or (--long-prompt) how a long prompt that joins running streams delays
+    them. Needs the serve extra."""
     from pathlib import Path
     from specrt.measurement.serve_bench import bench_long_prompt, bench_repeated, bench_serve as run, \
         bench_shared_prefix
+    methods = [m.strip() for m in method.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHOD_CHOICES]
+    if bad or not methods:
+        raise click.BadParameter(f"{method!r}: expected methods of {', '.join(METHOD_CHOICES)}, comma-separated, "
+                                 "e.g. autoregressive,auto", param_hint="--method")
+    if len(methods) > 1 and (shared_prefix or suffix_cache or long_prompt):
+        raise click.BadParameter(f"{method!r}: --shared-prefix, --repeat-with-suffix-cache and --long-prompt take "
+                                 "one method", param_hint="--method")
+    method = methods[0]
+    concurrency = concurrency if concurrency is not None else "" if rate else "1,2,4,8"
     if shared_prefix is not None:
         try:
             bench_shared_prefix(Path(engines), method, requests, max_tokens, threads, shared_prefix,
@@ -664,8 +696,15 @@ def bench_serve(engines, concurrency, method, requests, max_tokens, threads, out
         raise click.BadParameter(f"{concurrency!r}, {replicas!r}: expected comma-separated integers, e.g. 1,4,8 "
                                  "and 1,2", param_hint="--concurrency / --replicas") from None
     try:
-        run(Path(engines), levels, method, requests, max_tokens, threads, Path(out), log=click.echo,
-            replicas=counts, prefix_cache_mb=prefix_cache_mb)
+        rates = [float(r) for r in (rate or "").split(",") if r.strip()]
+        temperatures = [float(t) for t in temperature.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{rate!r}, {temperature!r}: expected comma-separated numbers, e.g. 0.5,1 and "
+                                 "0,0.7", param_hint="--rate / --temperature") from None
+    try:
+        run(Path(engines), levels, methods, requests, max_tokens, threads, Path(out), log=click.echo,
+            replicas=counts, prefix_cache_mb=prefix_cache_mb, rates=rates, temperatures=temperatures or [0.0],
+            prompts=prompts, llama_server=llama_server and Path(llama_server))
     except SpecrtError as e:
         _fail(e)
 

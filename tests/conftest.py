@@ -8,7 +8,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)   # make test: two processes, a core each
 
 from specrt.export.architectures import REGISTRY  # noqa: E402
 
@@ -40,12 +40,18 @@ ARCH_TESTS = {
                        attention_multiplier=0.3, residual_multiplier=0.7, logits_scaling=0.5),
     # a hybrid: a gated short convolution (export/hybrid.py) beside attention; the rest in tests/test_hybrid.py
     "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    # Mamba-2 beside attention (export/hybrid.py), routed experts beside the shared MLP, with rope; the dense, no-rope
+    # form (Granite 4.0-H-Micro's) in tests/test_hybrid.py
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                             mamba_n_groups=2, mamba_chunk_size=4, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48, position_embedding_type="rope", embedding_multiplier=2.0,
+                             residual_multiplier=0.7),
 }
 
 # architectures whose tiny model is checked by graph parity alone (test_graph_parity's fused engine against
 # transformers), not by the whole matrix (greedy, methods, prefill, unfused and width engines): the suite's time
 # budget; their routed block is the one Qwen3-MoE and Mixtral run through all of it
-PARITY_ONLY = {"olmoe", "granitemoe", "lfm2"}
+PARITY_ONLY = {"olmoe", "granitemoe", "lfm2", "granitemoehybrid"}
 MATRIX = sorted(set(REGISTRY) - PARITY_ONLY)
 
 
@@ -141,11 +147,24 @@ def export_tiny_with_drafters(tmp: Path, vocab: int, max_seq_len: int, medusa_he
     return tmp / "engines", model
 
 
+class _OnFirstUse(dict):
+    """arch -> what `make(arch)` gives, made the first time a test asks for it."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, arch):
+        self[arch] = made = self.make(arch)
+        return made
+
+
 @pytest.fixture(scope="session")
 def tiny_engines(tmp_path_factory):
-    """One exported + built engine set per registered architecture (session-wide)."""
+    """One exported + built engine set per registered architecture (session-wide), each made when a test of this
+    process first asks for it (a test worker builds only the architectures of its modules)."""
     tmp = tmp_path_factory.mktemp("tiny")
-    return {arch: export_tiny(tmp, arch) for arch in sorted(REGISTRY)}
+    return _OnFirstUse(lambda arch: export_tiny(tmp, arch))
 
 
 @pytest.fixture(scope="session")
@@ -165,6 +184,36 @@ def smollm2():
 def default_generator(default_engines):
     from specrt import Generator
     return Generator.from_engines(default_engines)
+
+
+def check_int4_engine(gen, model, seq: list[int], new_tokens: int) -> None:
+    """A 4-bit target engine: its logits over `seq` near the float model's (relative error below 0.5), and prompt
+    lookup on text that repeats gives its own autoregressive tokens."""
+    n = len(seq)
+    out = gen.target.forward(torch.tensor([seq]), torch.arange(n)[None], gen.target.new_cache(1).past_len,
+                             torch.ones(n, n, dtype=torch.bool).tril()[None], n)
+    with torch.no_grad():
+        ref = model(torch.tensor([seq])).logits[0]
+    assert (out.logits[0] - ref).norm() / ref.norm() < 0.5
+    prompt = seq[:4] * 3   # text that repeats: prompt lookup proposes
+    ar = gen.generate(prompt_ids=prompt, max_new_tokens=new_tokens, method="autoregressive").token_ids[0]
+    assert gen.generate(prompt_ids=prompt, max_new_tokens=new_tokens, method="ngram").token_ids[0] == ar
+
+
+def pytest_sessionfinish(session):
+    """A test worker (pytest-xdist: make test runs two) hands its greedy comparisons to the controller."""
+    import greedy_check
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["greedy"] = (greedy_check.COMPARED[0], greedy_check.NEAR_TIES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller adds up its workers' greedy comparisons for the summary below."""
+    import greedy_check
+    compared, ties = node.workeroutput.get("greedy", (0, []))
+    greedy_check.COMPARED[0] += compared
+    greedy_check.NEAR_TIES.extend(ties)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -102,6 +102,8 @@ def test_unregistered_architectures_are_refused_by_name(tmp_path, name, kw, matc
     ("olmoe", dict(clip_qkv=8.0), r"clip_qkv = 8.0 \(q/k/v clipped\) is not implemented"),
     ("qwen3_moe", dict(shared_expert_intermediate_size=16),
      r"'qwen3_moe' model with shared experts \(shared_expert_intermediate_size = 16\): not implemented"),
+    ("granitemoehybrid", dict(layer_types=["linear_attention", "sliding_attention"]),
+     r"layer type 'sliding_attention' is not implemented \(supported: full_attention, linear_attention\)"),
 ])
 def test_what_the_graph_does_not_implement_is_refused(tmp_path, arch, kw, match):
     config = tiny_config(arch)

@@ -122,7 +122,7 @@ def test_a_pass_reads_each_row_in_drafter_tokens(foreign):
     cache = gen.draft.new_cache(2, 64)
     drafter.past = [0, 0]
     for step in (rows, [[40], [58]]):
-        got = drafter._foreign_pass(cache, step)                                       # (2, V target)
+        got = vm.to_target(drafter._foreign_pass(cache, step))                         # (2, V target)
         for b, r in enumerate(rows):
             r += step[b] if step is not rows else []
             with torch.no_grad():
@@ -231,3 +231,17 @@ def test_a_tokenizer_the_map_cannot_read_is_refused_by_name():
     disjoint.decoder = decoders.ByteFallback()
     with pytest.raises(InputError, match="share no token"):
         build(t_tok, PreTrainedTokenizerFast(tokenizer_object=disjoint), 64, 1)
+
+
+def test_the_shared_row_picks_what_the_targets_row_picks():
+    """A greedy pick and a top-k over the shared tokens' logits alone (VocabMap.shared), mapped back, are those
+    over the target-wide row (to_target)."""
+    from specrt.decoding.sampling import argmax, top_k_ids
+    from specrt.decoding.vocab_map import VocabMap
+    rng = np.random.default_rng(0)
+    draft, target = rng.choice(40, 25, replace=False), rng.choice(60, 25, replace=False)
+    vm = VocabMap(60, 40, draft, target, np.arange(61), np.arange(60) % 40)
+    logits = torch.from_numpy(rng.standard_normal((3, 40)).astype(np.float32))
+    full, shared = vm.to_target(logits), vm.shared(logits)
+    assert torch.equal(vm.shared_ids(argmax(shared)), argmax(full))
+    assert torch.equal(vm.shared_ids(top_k_ids(shared, 4)), top_k_ids(full, 4))

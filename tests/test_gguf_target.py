@@ -22,6 +22,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import check_int4_engine
 from greedy_check import assert_same_or_tie
 from specrt.decoding.generate import Generator
 from specrt.errors import UnknownSourceError
@@ -47,8 +48,8 @@ GGUF_ARCH = {"llama": ("llama", "tiny"), "mistral": ("llama", "Mistral 7B Tiny")
              "phi3": ("phi3", "tiny"), "qwen3_moe": ("qwen3moe", "tiny")}
 
 # registered architectures without GGUF files here: the mixtures of experts but Qwen3-MoE (transformers' loader reads
-# no other; a Mixtral file is a llama file with experts, refused by name) and LFM2 (read from Hugging Face
-# directories only)
+# no other: specrt.export.gguf_moe reads Mixtral's, OLMoE's and Granite MoE's, tests/test_moe.py) and LFM2 (read
+# from Hugging Face directories only)
 NO_GGUF = {name for name, arch in REGISTRY.items() if arch.experts_key and name != "qwen3_moe" or arch.conv}
 
 
@@ -359,14 +360,7 @@ def test_int4_build_keeps_its_own_greedy_output(gguf_set, tmp_path):
     build(int4, "onnxruntime", target_weights="int4", **QUIET)
     gen = Generator.from_engines(int4)
     seq = torch.randint(4, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = gen.target.forward(torch.tensor([seq]), torch.arange(12)[None], gen.target.new_cache(1).past_len,
-                             torch.ones(12, 12, dtype=torch.bool).tril()[None], 12)
-    with torch.no_grad():
-        ref = model(torch.tensor([seq])).logits[0]
-    assert (out.logits[0] - ref).norm() / ref.norm() < 0.5
-    prompt = seq[:4] * 3   # text that repeats: prompt lookup proposes
-    ar = gen.generate(prompt_ids=prompt, max_new_tokens=24, method="autoregressive").token_ids[0]
-    assert gen.generate(prompt_ids=prompt, max_new_tokens=24, method="ngram").token_ids[0] == ar
+    check_int4_engine(gen, model, seq, 24)
 
 
 # --- what is refused, by name, before anything is converted or written -------------------------------------
@@ -387,14 +381,18 @@ def _f64(writer):
     writer.add_tensor("blk.0.attn_q_scale.weight", np.ones((4, 32), np.float64))
 
 
+def _per_expert(writer):   # Mixtral as older llama.cpp converters wrote it
+    writer.add_tensor("blk.0.ffn_gate.0.weight", np.ones((4, 32), np.float32))
+
+
 def _i32(writer):
     writer.add_tensor("blk.1.attn_k_scale.weight", np.ones((4, 32), np.int32))
 
 
 @pytest.mark.parametrize("arch,kw,match", [
     ("starcoder2", {}, r"architecture 'starcoder2'.*exports: .*gemma3.*llama.*phi3"),
-    ("llama", dict(metadata={"llama.expert_count": 4}), r"'llama' GGUF file with a mixture of experts "
-                                                       r"\(llama\.expert_count = 4\)"),
+    ("llama", dict(metadata={"llama.expert_count": 4}, extra=_per_expert),
+     r"one tensor per expert \(blk\.0\.ffn_gate\.0\.weight, \.\.\.\).*current llama\.cpp"),
     ("llama", dict(extra=lambda w: (_f64(w), _i32(w))), r"does not dequantize \(F64: blk\.0\.attn_q_scale\.weight "
                                                        r"\(1 tensors\); I32: blk\.1\.attn_k_scale\.weight"),
     ("llama", dict(name="mistral"), r"general.name is exactly 'mistral'"),

@@ -44,26 +44,36 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float()
 
 
+def hf_tree_logits(model, seq, nodes, parents):
+    """Each tree node's logits from transformers: its root-to-node path run after `seq` as a plain sequence (one
+    pass per leaf: a node's logits are those at its place on any path through it)."""
+    out = [None] * len(parents)
+    for leaf in sorted(set(range(len(parents))) - set(parents)):
+        on_path = path(parents, leaf)
+        for i, row in zip(on_path, hf_logits(model, seq + nodes[on_path].tolist())[-len(on_path):]):
+            out[i] = row
+    return torch.stack(out)
+
+
 def check_parity(engine, model, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (12,), generator=g).tolist()
+    steps = [int(torch.randint(0, vocab, (1,), generator=g)) for _ in range(3)]
+    seq = prompt + steps
+    ref = hf_logits(model, seq)   # the prompt's and each decode step's
     cache = engine.new_cache(1)
     # prefill, all positions' logits
     S = len(prompt)
     out = engine.forward(torch.tensor([prompt]), torch.arange(S)[None], cache.past_len,
                          torch.ones(S, S, dtype=torch.bool).tril()[None], S)
-    ref = hf_logits(model, prompt)
-    assert (out.logits[0] - ref).abs().max() < TOL
+    assert (out.logits[0] - ref[:S]).abs().max() < TOL
     cache.write(out.new_kv)
     cache.past_len += S
     # decode steps
-    seq = list(prompt)
-    for step in range(3):
-        tok = int(torch.randint(0, vocab, (1,), generator=g))
+    for step, tok in enumerate(steps):
         out = engine.forward(torch.tensor([[tok]]), cache.past_len[:, None].clone(), cache.past_len,
                              torch.ones(1, 1, 1, dtype=torch.bool), 1)
-        seq.append(tok)
-        assert (out.logits[0, -1] - hf_logits(model, seq)[-1]).abs().max() < TOL
+        assert (out.logits[0, -1] - ref[S + step]).abs().max() < TOL
         cache.write(out.new_kv)
         cache.past_len += 1
     # tree verification: each node's logits equal those of its root-to-node path run as a plain sequence
@@ -71,9 +81,9 @@ def check_parity(engine, model, vocab, seed=0):
     nodes = torch.randint(0, vocab, (len(PARENTS),), generator=g)
     pos = cache.past_len[:, None] + depth[None]
     out = engine.forward(nodes[None], pos, cache.past_len, mask[None], len(PARENTS))
+    expected = hf_tree_logits(model, seq, nodes, PARENTS)
     for i in range(len(PARENTS)):
-        expected = hf_logits(model, seq + nodes[path(PARENTS, i)].tolist())[-1]
-        assert (out.logits[0, i] - expected).abs().max() < TOL, f"tree node {i}"
+        assert (out.logits[0, i] - expected[i]).abs().max() < TOL, f"tree node {i}"
 
 
 @pytest.mark.parametrize("arch", sorted(REGISTRY))
@@ -92,11 +102,12 @@ def test_tiny_engines_are_fused(tiny_engines, arch):
     # norm (after the embedding) has no residual add, the final one has; norms on q and k per head (Qwen3,
     # Gemma 3) and on the attention's and the MLP's outputs (Gemma) have none
     a = from_hf(model, 8).args
-    attn = layers - sum(a.conv_layers)   # LFM2's conv layers: no RoPE, attention or q/k norms
+    attn = layers - sum(a.conv_layers) - sum(a.mamba_layers)   # conv and Mamba-2 layers: no RoPE, attention, q/k norms
     norms = 1 + 2 * attn * arch.qk_norm + 2 * layers * arch.sandwich_norms
     mlps = sum(a.num_experts if sparse else 1 for sparse in a.sparse_layers or [False] * layers)   # each expert's
-    assert engine["fused"] == {"rotary": 2 * attn, "attention": attn, "norm": norms, "skip_norm": 2 * layers,
-                               "projections": 3 * layers + 2 * mlps}   # q/k/v (a conv's B/C/x) and gate/up merged
+    mlps += layers * a.shared_mlp   # a shared MLP beside the experts (Granite 4.0-H)
+    assert engine["fused"] == {"rotary": 2 * attn * a.rope, "attention": attn, "norm": norms, "skip_norm": 2 * layers,
+                               "projections": 3 * layers + 2 * mlps}   # q/k/v (B/C/x, z/xBC/dt) and gate/up
 
 
 @pytest.mark.parametrize("arch", MATRIX)

@@ -103,6 +103,69 @@ def test_bench_serve_repeat_with_suffix_cache(talking, tmp_path):
     assert (out / "server-plain.log").is_file() and (out / "server-cache.log").is_file()
 
 
+def test_bench_serve_arms_loads_and_temperatures(talking, tmp_path):
+    """The waves with two arms (autoregressive and auto, through one server), a closed loop of 2, Poisson
+    arrivals at 50 a second, greedy and sampled, mixed prompts: a result for each arm, temperature and load, each
+    from its requests (every one ran to its max_tokens), percentiles in order, greedy answers compared across arms;
+    the table has the new columns and the plot is written."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["bench-serve", str(talking), "--method", "autoregressive,auto",
+                                       "--concurrency", "2", "--rate", "50", "--temperature", "0,0.7",
+                                       "--prompts", "mixed", "--requests", "4", "--max-tokens", "4",
+                                       "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    report = json.loads((out / "serve_bench.json").read_text())
+    assert (report["arms"], report["prompts"], report["max_tokens"]) == (["autoregressive", "auto"], "mixed", 4)
+    results = report["results"]
+    assert [(r["temperature"], r.get("concurrency", r.get("rate")), r["arm"]) for r in results] == [
+        (t, load, arm) for t in (0.0, 0.7) for load in (2, 50.0) for arm in ("autoregressive", "auto")]
+    for r in results:
+        assert (r["requests"], r["tokens"]) == (4, 16)
+        assert r["tokens_per_s"] == pytest.approx(16 / r["wall_s"]) and r["requests_per_s"] == pytest.approx(
+            4 / r["wall_s"])
+        ttft, itl, e2e = r["ttft_s"], r["itl_s"], r["e2e_s"]
+        assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= e2e["p99"] and e2e["p50"] <= e2e["p99"]
+        assert 0 < itl["p50"] <= itl["p99"]
+        # every token after a row's first (its prefill's) took a round of the server's batch
+        assert sum(int(n) * k for n, k in r["batch_rounds"].items()) == 4 * 3
+        assert 1 <= r["rows_per_round"] <= (2 if "concurrency" in r else 4)
+        assert r["same_answers"] == (None if r["temperature"] or r["arm"] == "autoregressive" else 4)
+    table = (out / "serve_bench.md").read_text()
+    assert "| T | load | arm | tok/s | × autoregressive | req/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) |" \
+           in table
+    r = results[1]
+    assert f"| 0 | c = 2 | auto | {r['tokens_per_s']:.1f} | {r['x_first_arm']:.2f} | {r['requests_per_s']:.2f} | " \
+           f"{1e3 * r['ttft_s']['p50']:.0f} / " in table and "| 4/4 |" in table and "| 0.7 | 50/s | auto |" in table
+    assert (out / "serve_bench.png").stat().st_size > 10_000
+    bad = CliRunner().invoke(main, ["bench-serve", str(talking), "--method", "autoregressive,fast", "--out",
+                                    str(tmp_path / "none")])
+    assert bad.exit_code == 2 and "'autoregressive,fast'" in bad.output and "autoregressive,auto" in bad.output
+
+
+def test_serving_figures_as_functions():
+    """The percentiles are numpy's; Poisson arrivals have gaps of mean 1/rate, start at 0 and repeat for a seed;
+    a turn's rounds are its requests' largest count, and after a turn of the same arm and temperature (the server
+    kept its batch) they count from that turn's end, from zero after another kind's."""
+    import numpy as np
+    from specrt.measurement.serve_bench import _Rounds, percentile, poisson_arrivals
+    values = [0.3, 5.0, 1.2, 0.7, 2.2, 9.1, 0.05]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    at = poisson_arrivals(2000, 4.0, seed=1)
+    assert at[0] == 0 and at == sorted(at) and at == poisson_arrivals(2000, 4.0, seed=1) != poisson_arrivals(
+        2000, 4.0, seed=2)
+    assert at[-1] / (len(at) - 1) == pytest.approx(0.25, rel=0.08)
+
+    def answered(*counts):
+        return [{"stats": {"batch_rounds": {str(n): {"rounds": r, "speculative": 0} for n, r in c.items()}}}
+                for c in counts]
+    rounds = _Rounds()
+    assert rounds.turn(("auto", 0.0), answered({1: 5})) == {1: 5}
+    assert rounds.turn(("auto", 0.0), answered({1: 7, 2: 3}, {1: 6, 2: 3})) == {1: 2, 2: 3}
+    assert rounds.turn(("autoregressive", 0.0), answered({1: 4})) == {1: 4}
+    assert rounds.turn(("autoregressive", 0.7), answered({2: 6})) == {2: 6}
+
+
 # ---- measurement.fresh ------------------------------------------------------------------------------------------
 def test_fresh_processes_auto_against_autoregressive(talking, tmp_path, monkeypatch):
     """`python -m specrt.measurement.fresh` with --untuned: every prompt calls `specrt generate --json` once per arm,

@@ -15,6 +15,7 @@ from specrt.decoding.drafters import chain_mask
 from specrt.decoding.generate import Generator
 from specrt.decoding.sampling import SamplingParams
 from specrt.errors import CheckpointError, InputError
+from test_gguf_target import nothing_converted  # noqa: F401 (a fixture)
 from test_speculative import P_MIN, V, chi_square_p, exact_joint, sample_first3
 
 MAX_LEN = 48
@@ -220,3 +221,25 @@ def test_refusals_name_the_problem(mtp_set, tmp_path):
     save_file(state, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model.layers.2.\* does not fit.*shapes.*fc.weight \(32, 40\)"):
         load_mtp(str(tmp_path / "src"), from_hf(model, MAX_LEN))
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "llama"])
+def test_a_gguf_nextn_layer_is_refused_by_name(nothing_converted, arch):
+    """llama.cpp keeps GLM-4.5's MTP layer as the last block's `nextn` tensors (its DeepSeek-V3 converter drops the
+    layer). specrt exports no GLM target and does not read the layer: a file with one is refused by name before
+    anything is converted, a GLM file and one of a registered architecture alike (whose layer would be lost)."""
+    import numpy as np
+    from specrt.errors import UnknownSourceError
+    from specrt.export.pipeline import export_engines
+    from test_gguf_target import write_gguf
+
+    def nextn(writer):   # gguf's tensor names (MODEL_TENSOR.NEXTN_*), after the file's 2 blocks
+        for name, shape in (("eh_proj", (256, 512)), ("enorm", (256,)), ("hnorm", (256,)),
+                            ("shared_head_norm", (256,))):
+            writer.add_tensor(f"blk.2.nextn.{name}.weight", np.ones(shape, np.float32))
+    path = write_gguf(nothing_converted / "model.gguf", arch, types=["F32"], extra=nextn,
+                      metadata={f"{arch}.nextn_predict_layers": 1})
+    with pytest.raises(UnknownSourceError, match=rf"'{arch}' GGUF file with an MTP layer \(blk\.2\.nextn\.\*\).*"
+                                                 r"--method mtp, export a checkpoint directory"):
+        export_engines(str(path), nothing_converted / "out", log=lambda *_: None)
+    assert sorted(p.name for p in nothing_converted.iterdir()) == ["model.gguf"]

@@ -26,7 +26,8 @@ from specrt.serving.replicas import REPLICA_HEADER  # noqa: E402
 MAX_WAITING = 8   # requests the ingress holds for a replica with room
 MAX_BATCH = 8     # each replica's batch (serve's default --max-batch)
 STORED = "Notes from the datastore test. The eight planets of the solar system, from the Sun outwards, are"
-WAIT_S = 300      # the most any condition below is waited for (a loaded machine is slow, never this slow)
+WAIT_S = 480      # the most any condition below is waited for (the start took 207 s beside the other test process
+                  # and another job: a loaded machine is slow, never this slow)
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +168,21 @@ def test_bench_serve_over_replicas(replicas, default_engines, tmp_path, monkeypa
                                                                                               (2, 2, 2, 8)]
     for r in results:
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
-        assert 0 < r["ttft_mean_s"] <= r["ttft_max_s"] < r["wall_s"]
-        assert r["speedup_vs_one_at_a_time"] == pytest.approx(r["tokens_per_s"] / results[0]["tokens_per_s"])
-    assert sum(v["rounds"] for v in results[-1]["batch_rounds"].values()) > 0   # a replica's own count
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] < r["wall_s"]
+    assert any(r["batch_rounds"] for r in results)   # a replica's own count
     table = (out / "serve_bench.md").read_text()
-    assert "| replicas | concurrency | tok/s |" in table
-    assert f"| 2 | 2 | {results[1]['tokens_per_s']:.1f} | {results[1]['speedup_vs_one_at_a_time']:.2f} |" in table
+    assert "| replicas | T | load | arm | tok/s |" in table
+    assert f"| 2 | 0 | c = 2 | autoregressive | {results[1]['tokens_per_s']:.1f} | 1.00 |" in table
 
 
 def samples(url: str, name: str, **labels) -> dict[str, float]:
-    """/metrics: sample `name` with these labels, summed by replica (its label)."""
+    """/metrics: sample `name` with these labels, summed by replica (its label; the replicas' whole left out)."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     found: dict[str, float] = {}
     for s in (s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name):
-        if labels.items() <= s.labels.items():
+        if "replica" in s.labels and labels.items() <= s.labels.items():
             found[s.labels["replica"]] = found.get(s.labels["replica"], 0) + s.value
     return found
 
@@ -230,6 +230,96 @@ def hold(url: str):
     while not r.readline().startswith(b"data: "):
         pass
     return r
+
+
+def chat(url: str, messages: list[dict], max_tokens: int = 4) -> tuple[str, int, str]:
+    """A greedy chat completion: (its answer, its prompt tokens from the prefix cache, the replica that answered)."""
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(
+        {"messages": messages, "max_tokens": max_tokens, "temperature": 0}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+        doc = json.loads(r.read())
+        return (doc["choices"][0]["message"]["content"], doc["usage"]["prompt_tokens_details"]["cached_tokens"],
+                r.headers[REPLICA_HEADER])
+
+
+def scrape(url: str) -> list:
+    """Every sample of the ingress's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return [s for family in text_string_to_metric_families(r.read().decode()) for s in family.samples]
+
+
+def whole(samples: list, name: str) -> float:
+    """The ingress's whole of `name` (its samples without a replica label), over its other labels."""
+    return sum(s.value for s in samples if s.name == name and "replica" not in s.labels)
+
+
+@pytest.mark.slow
+def test_chat_turns_go_to_the_replica_that_holds_their_prefix(replicas):
+    """Prefix routing (on: the replicas have their default prefix caches): two chats, one request at a time, four
+    turns each (each turn the last prompt, its answer and a new user message); every later turn is answered by the
+    replica that answered the chat's first turn, from its cache. (Serve's default router picks either replica for a
+    lone request: a turn would leave its chat's replica half the time.) The prefix-cache hits in the ingress's /metrics
+    (the replicas' sum) grow by the cached tokens the answers report."""
+    url, _ = replicas
+    hits = whole(scrape(url), "specrt:prefix_cache_hits_total")
+    openers = ["Tell me about the rivers of Europe, the longest first, and which seas they flow into.",
+               "Write a short poem about a lighthouse keeper who counts the ships passing in the night."]
+    chats = [[{"role": "user", "content": text}] for text in openers]
+    served: list[list[str]] = [[], []]
+    cached = []
+    for turn in range(4):
+        for c, messages in enumerate(chats):
+            answer, tokens, replica = chat(url, messages)
+            served[c].append(replica)
+            cached.append(tokens)
+            assert turn == 0 or tokens >= 32, (c, turn, tokens)   # at least the last turn's first block
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And turn {turn + 2}?"}]
+    assert all(len(set(replicas)) == 1 for replicas in served), served
+    until(lambda: whole(scrape(url), "specrt:prefix_cache_hits_total") == hits + sum(cached),
+          f"/metrics' prefix-cache hits: {whole(scrape(url), 'specrt:prefix_cache_hits_total')}, "
+          f"want {hits} + {sum(cached)}")
+
+
+@pytest.mark.slow
+def test_ingress_metrics_give_the_replicas_sum(replicas):
+    """/metrics at the ingress: the whole (samples without a replica label) of counters, histograms and gauges is the
+    sum of the replicas' samples with the same other labels, of the shares (`_perc`) their mean; timestamps
+    (`_created`) have none. Scraped after this module's requests, while one long stream runs (one replica's rows
+    1/8 taken, the other's none)."""
+    url, _ = replicas
+    got = []
+
+    def one_running() -> bool:   # in this very scrape (the replicas' figures come a second apart)
+        got[:] = scrape(url)
+        return sum(s.value for s in got if s.name == "specrt:num_requests_running" and "replica" in s.labels) == 1
+
+    held = hold(url)
+    try:
+        until(one_running, "the held stream runs")
+    finally:
+        held.close()
+    until(lambda: sum(samples(url, "specrt:num_requests_running").values()) == 0, "the held stream's row is freed")
+    per = {}
+    for s in got:
+        if "replica" in s.labels:
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica")))
+            per.setdefault(key, []).append(s.value)
+    checked = set()
+    for s in got:
+        if "replica" not in s.labels:
+            values = per.pop((s.name, tuple(sorted(s.labels.items()))))
+            want = sum(values) / len(values) if s.name.endswith("_perc") else sum(values)
+            assert s.value == pytest.approx(want), (s, values)
+            checked.add(s.name)
+    assert {"specrt:prompt_tokens_total", "vllm:generation_tokens_total", "specrt:prefix_cache_hits_total",
+            "specrt:time_to_first_token_seconds_bucket", "vllm:num_requests_running", "specrt:num_requests_waiting",
+            "specrt:kv_cache_usage_perc", "specrt:prefix_cache_bytes"} <= checked, checked
+    assert all(name.endswith("_created") for name, _ in per), sorted(per)   # only timestamps have no whole
+    assert len({s.labels["replica"] for s in got if "replica" in s.labels}) == 2
+    assert whole(got, "vllm:num_requests_running") == 1
+    assert whole(got, "vllm:kv_cache_usage_perc") == pytest.approx(1 / MAX_BATCH / 2)
 
 
 @pytest.mark.slow
@@ -287,8 +377,10 @@ def test_killed_replica_ends_its_stream_and_is_replaced(replicas):
 
 def test_replica_options_follow_the_batch():
     """Each Engine replica takes --max-batch requests at once (Serve's default of 5 would starve the batcher) and
-    reserves its engine threads as CPUs; --autoscale aims at a full batch a replica; the ingress only relays."""
-    from specrt.serving.replicas import ReplicaConfig, build
+    reserves its engine threads as CPUs; --autoscale aims at a full batch a replica; the ingress only relays; the
+    Engine deployment routes with PrefixRouter where the replicas cache prefixes, unless told not to."""
+    from specrt.errors import InputError
+    from specrt.serving.replicas import ReplicaConfig, application, build
 
     def engine_of(app):
         ingress = app._bound_deployment
@@ -300,3 +392,36 @@ def test_replica_options_follow_the_batch():
     scaling = engine_of(build(ReplicaConfig("engines/default", max_batch=6), autoscale=(1, 4)))._deployment_config
     auto = scaling.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 6)
+    # prefix routing where the replicas cache prefixes, unless turned off; asked for without a cache: refused
+    for cache_mb, routing, router in ((None, None, "PrefixRouter"), (0, None, "PowerOfTwoChoicesRequestRouter"),
+                                      (64, False, "PowerOfTwoChoicesRequestRouter")):
+        config = engine_of(build(ReplicaConfig("engines/default", prefix_cache_mb=cache_mb, prefix_routing=routing),
+                                 replicas=2))._deployment_config
+        assert config.request_router_config.request_router_class.endswith(router)
+    with pytest.raises(InputError, match="--prefix-cache 0 turns the caches off"):
+        ReplicaConfig("engines/default", prefix_cache_mb=0, prefix_routing=True)
+    off = engine_of(application({"engines": "engines/default", "prefix_routing": "false"}))._deployment_config
+    assert off.request_router_config.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
+    with pytest.raises(InputError, match="prefix_routing 'no': true or false"):
+        application({"engines": "engines/default", "prefix_routing": "no"})
+
+
+def test_prefix_pieces_chain_a_chats_turns_within_its_partition():
+    """The router's prefix of a request: a chat's next turn extends its last turn's chain by a piece a message; a
+    completion's prompt goes by whole 64-character blocks; another API key or cache_salt starts another chain (as the
+    replicas' cache partitions do); a request without a prompt has none."""
+    from specrt.serving.router import prefix_pieces
+
+    def chain(path, headers=(), **body):
+        return prefix_pieces(path, list(headers), json.dumps(body).encode())
+
+    turn = [{"role": "user", "content": "Name three rivers."}]
+    later = turn + [{"role": "assistant", "content": "Nile, Amazon, Rhine."}, {"role": "user", "content": "Longest?"}]
+    first, second = chain("/v1/chat/completions", messages=turn), chain("/v1/chat/completions", messages=later)
+    assert len(first) == 1 and len(second) == 3 and second[:1] == first
+    assert chain("/v1/chat/completions", [("authorization", "Bearer other")], messages=later)[0] != first[0]
+    assert chain("/v1/chat/completions", messages=later, cache_salt="user-2")[0] != first[0]
+    text = "The quick brown fox jumps over the lazy dog. " * 3   # 135 characters: two whole blocks
+    assert len(chain("/v1/completions", prompt=text)) == 2
+    assert chain("/v1/completions", prompt=text + "And then?")[:2] == chain("/v1/completions", prompt=text)
+    assert chain("/v1/models") == [] and prefix_pieces("/v1/completions", [], b"not json") == []

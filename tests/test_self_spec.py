@@ -60,12 +60,13 @@ def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
     gen, _, directory = tiny
     entry = json.loads((directory / "manifest.json").read_text())["models"]["self"]
     assert entry["kept_layers"] == KEPT and entry["layers"] == 3
-    assert entry["own_weight_bytes"] == 0 and entry["engine"]["own_weight_bytes"] == 0
-    for graph, data in (("self.onnx", "target.onnx.data"), ("self.ort.onnx", "target.ort.onnx.data")):
-        stored = [t for t in onnx.load(str(directory / graph), load_external_data=False).graph.initializer
-                  if t.data_location == onnx.TensorProto.EXTERNAL]
-        assert stored and {e.value for t in stored for e in t.external_data if e.key == "location"} == {data}
-        assert not (directory / f"{graph}.data").exists()
+    assert entry["own_weight_bytes"] == 0 and entry["engine"]["layer_skip"] == "target"
+    stored = [t for t in onnx.load(str(directory / "self.onnx"), load_external_data=False).graph.initializer
+              if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert stored and {e.value for t in stored for e in t.external_data if e.key == "location"} == {"target.onnx.data"}
+    assert not (directory / "self.onnx.data").exists() and not (directory / "self.ort.onnx").exists()
+    # in memory: the target's own session, on its skip_layers input (one copy of the weights, packed once)
+    assert gen.self_draft.session is gen.target.session and gen.self_draft.skipped == [2]
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

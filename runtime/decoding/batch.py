@@ -502,9 +502,14 @@ class Batch:
         """What a chain round costs with n rows live: the target's passes and, for the draft model, its step;
         prompt lookup drafts on the host in microseconds (charged the draft model's step, 5 % of a target pass on
         float32 and 15 % on int4, its mean γ came out 0.3–0.65 lower and its decoding 1–3 % slower)."""
-        drafts = self.method in ("draft", "self")   # a draft model's step: the draft's, or the self drafter's
-        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=drafts and self.method)
-        return costs if drafts else Costs(0.0, costs.verify)
+        costs = self.gen.costs(min(n, MAX_MEASURED_BATCH), draft=self._stepper)
+        return costs if self._stepper else Costs(0.0, costs.verify)
+
+    @property
+    def _stepper(self) -> str | bool:
+        """Whose step a chain round's drafting costs (`gen.costs`' draft): the draft model's or the self drafter's;
+        False where drafts cost no model step (prompt lookup, rest)."""
+        return self.method if self.method in ("draft", "self") else False
 
     def _tree_pays(self, n: int) -> bool:
         """With n rows live, whether a tree's verify pass (n × its size) costs less than the tokens it adds: the
@@ -564,12 +569,11 @@ class Batch:
         if policy is not None:
             stats["gamma_mean"] = sum(policy.chosen) / len(policy.chosen) if policy.chosen else None
             stats["plain_rounds"] = policy.chosen.count(0)
-        if self.method in ("draft", "self") or policy is not None:
-            drafter = "self" if self.method == "self" else True   # whose step: the self drafter's or the draft's
-            costs = policy.costs if policy is not None else self.gen.costs(draft=drafter)
+        if self._stepper or policy is not None:
+            costs = policy.costs if policy is not None else self.gen.costs(draft=self._stepper)
             alpha = stats["acceptance_rate"]
             g = stats["gamma"] or 1
-            stats["cost_ratio_c"] = costs.c if self.method in ("draft", "self") else 0.0
+            stats["cost_ratio_c"] = costs.c if self._stepper else 0.0
             stats["predicted_speedup"] = costs.predicted_speedup(alpha, g) if alpha is not None else None
         return stats
 

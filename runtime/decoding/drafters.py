@@ -249,9 +249,13 @@ class DraftModelDrafter:
         tokens, qs, tops = [], [], []
         grammars = DraftMasks(run)   # constrained rows draft inside their grammars
         try:
+            # another vocabulary's greedy chains and trees pick from the shared tokens' logits alone (B, K), not
+            # from a row of the target's width: their ids map back (VocabMap.shared)
+            compact = self.vocab_map is not None and not grammars and (self.tree is not None or run.params.greedy)
             for i in range(gamma):
                 if self.vocab_map is not None:
-                    logits = self._foreign_pass(self.cache, first if i == 0 else ids.tolist())   # (B, V target)
+                    logits = self._foreign_pass(self.cache, first if i == 0 else ids.tolist())   # (B, V draft)
+                    logits = self.vocab_map.shared(logits) if compact else self.vocab_map.to_target(logits)
                 else:
                     out = self.timer(self.engine, self.cache, ids, pos, mask, 1)
                     self.cache.write(out.new_kv)
@@ -260,10 +264,11 @@ class DraftModelDrafter:
                 if grammars:
                     logits = torch.stack([grammars.apply(b, logits[b]) for b in range(B)])
                 if self.tree is not None:     # a tree: the top-k at each step of the top-1 chain
-                    tops.append(top_k_ids(logits, self.tree.max_rank))
+                    top = top_k_ids(logits, self.tree.max_rank)
+                    tops.append(self.vocab_map.shared_ids(top) if compact else top)
                     tok = tops[-1][:, 0]
                 elif run.params.greedy:
-                    tok = argmax(logits)
+                    tok = self.vocab_map.shared_ids(argmax(logits)) if compact else argmax(logits)
                 elif run.params.seeded:   # each row's own seeded pick from Q: the target's where Q = P
                     tok = run.seeded_scores(logits[:, None], [i])[:, 0].argmax(-1)
                 else:
@@ -286,8 +291,8 @@ class DraftModelDrafter:
 
     def _foreign_pass(self, cache, rows: list[list[int]]) -> torch.Tensor:
         """One pass over each row's target tokens read as drafter tokens, after its drafter positions `self.past`
-        (rows of fewer drafter tokens padded at their end: scratch the next pass overwrites); the target logits
-        (B, V target) at each row's last one."""
+        (rows of fewer drafter tokens padded at their end: scratch the next pass overwrites); the drafter's logits
+        (B, V draft) at each row's last one."""
         feeds = [self.vocab_map.expand(r) for r in rows]
         B, S, dev = len(feeds), max(map(len, feeds)), cache.data.device
         host = np.zeros((2, B, S), np.int64)                                            # ids, positions
@@ -300,8 +305,10 @@ class DraftModelDrafter:
         cache.write(out.new_kv)
         self.past = [p + len(f) for p, f in zip(self.past, feeds)]
         cache.truncate(self.past)
-        last = torch.tensor([len(f) - 1 for f in feeds], device=dev)
-        return self.vocab_map.to_target(out.logits[torch.arange(B, device=dev), last])   # (B, V target)
+        last = [len(f) - 1 for f in feeds]
+        if out.host is not None:   # numpy: torch's indexing of a wide row costs ms on a busy CPU
+            return torch.from_numpy(out.host_logits()[np.arange(B), last])
+        return out.logits[torch.arange(B, device=dev), torch.tensor(last, device=dev)]
 
     def _inputs(self, B: int, S: int) -> PassInputs:
         if (B, S) not in self.inputs:

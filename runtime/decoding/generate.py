@@ -13,7 +13,7 @@ import torch
 
 from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import OrtHeads, engine_set_device
+from specrt.engines.base import LayerSkipEngine, OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
@@ -112,13 +112,14 @@ class Generator:
         # Drafters run on the calling thread: their small matrices gain little from a thread pool, and an idle
         # pool keeps spinning for a while after each run, taking cores from the target's next pass.
         drafter_threads = 1 if device == "cpu" else threads
-        # the self drafter's engine reads the target engine's data file, as a session of its own: on the CPU each
-        # session repacks its MatMul weights anyway, and a SharedWeights there kept the unpacked ones resident too
-        # (SmolLM2: 1,326 MB for the target alone against 770; docs/notes/2026-12-self-speculation.md)
+        # the self drafter of an ONNX Runtime build runs in the target's own session (LayerSkipEngine): one copy of
+        # the weights; two sessions repacked each MatMul weight twice (docs/notes/2026-12-self-speculation.md)
         engines = {}
         for role, spec in models.items():
             if "engine" not in spec:
                 raise ManifestError(f"{role} in {directory} has no built engine: run `specrt build {directory}`")
+            if spec["engine"].get("layer_skip") == "target":
+                continue
             path = check_file(directory, spec["engine"], f"{role} engine")
             role_threads = threads if role in ("target", "self") else drafter_threads
             backend = OrtHeads if role == "medusa" else engine_class(spec["engine"])
@@ -132,6 +133,8 @@ class Generator:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         target = engines.pop("target")()
+        if models.get("self", {}).get("engine", {}).get("layer_skip") == "target":
+            engines["self"] = functools.partial(LayerSkipEngine, target, models["self"])
         gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk,
                   prefix_cache_mb=prefix_cache_mb)
         if "vocab_map" in models.get("draft", {}):   # a draft of another vocabulary (decoding/vocab_map.py)

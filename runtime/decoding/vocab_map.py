@@ -194,13 +194,34 @@ class VocabMap:
     def to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V_draft) drafter logits -> (B, V_target) over the target's ids: the shared tokens' logits, -inf
         elsewhere (every transform of Q, temperature to grammar, then applies as it does to P)."""
-        dev = logits.device
-        if dev not in self._index:
-            self._index[dev] = tuple(torch.from_numpy(a).to(dev) for a in (self.shared_draft, self.shared_target))
-        draft, target = self._index[dev]
-        out = torch.full((logits.shape[0], self.target_vocab), float("-inf"), dtype=logits.dtype, device=dev)
+        if logits.device.type == "cpu":   # numpy: torch's indexing of wide rows costs ms on a busy CPU
+            out = np.full((logits.shape[0], self.target_vocab), -np.inf, logits.numpy().dtype)
+            out[:, self.shared_target] = self.shared(logits).numpy()
+            return torch.from_numpy(out)
+        draft, target = self._on(logits.device)
+        out = torch.full((logits.shape[0], self.target_vocab), float("-inf"), dtype=logits.dtype,
+                         device=logits.device)
         out[:, target] = logits[:, draft]
         return out
+
+    def shared(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V_draft) drafter logits -> (B, K) the shared tokens' only, in `shared_draft`'s order: a greedy pick
+        or a top-k over them, mapped back by `shared_ids`, is the one over `to_target`'s row (ties aside)."""
+        if logits.device.type == "cpu":
+            return torch.from_numpy(logits.numpy().take(self.shared_draft, axis=1))
+        return logits.index_select(1, self._on(logits.device)[0])
+
+    def shared_ids(self, picks: torch.Tensor) -> torch.Tensor:
+        """Positions in `shared`'s row -> the target's ids."""
+        if picks.device.type == "cpu":
+            return torch.from_numpy(self.shared_target[picks.numpy()])
+        return self._on(picks.device)[1][picks]
+
+    def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared ids (drafter's, target's) on `dev`, made once."""
+        if dev not in self._index:
+            self._index[dev] = tuple(torch.from_numpy(a).to(dev) for a in (self.shared_draft, self.shared_target))
+        return self._index[dev]
 
 
 def _ids_ok(ids: np.ndarray, vocab: int, unique: bool = True) -> bool:

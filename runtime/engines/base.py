@@ -15,7 +15,7 @@ import torch
 
 from specrt.errors import BackendError, DeviceError
 from specrt.engines.kv_cache import KVCache
-from specrt.engines.manifest import WRITTEN, logits_width
+from specrt.engines.manifest import SKIP_INPUT, WRITTEN, logits_width
 
 
 ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.bool: 9}  # TensorProto
@@ -148,21 +148,31 @@ class OrtEngine:
         self.session = ort.InferenceSession(str(path), options, providers=providers(self.device, spec))
         check_providers(self.session, self.device)
         trim_heap()
+        self._start(spec)
+        # MatMulNBits with int8 activations rounds a lone row (one token, one row) differently from a row of a
+        # larger pass on some CPUs (the M = 1 kernel; every M >= 2 agrees): there such passes run as two tokens,
+        # the second a copy whose entry lands in a spare slot, so that a plain step equals a verify pass's row
+        if spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu":
+            self.pad_single = not self._lone_rows_agree()
+
+    def _start(self, spec: dict, skip: bool = False) -> None:
+        """What a session's passes need besides the session. `skip`: run the graph's self drafter (a target
+        engine with a `skip_layers` input, see LayerSkipEngine); the cache's layers are then the kept ones."""
         self.layers = spec["layers"]
-        self._buffers: dict[str, torch.Tensor] = {}
+        kept = spec["kept_layers"] if skip else range(spec["layers"])
+        self.graph_layers = list(kept)   # the graph's layer of each of the cache's
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.skipped = [i for i in range(sum(n.startswith("k_cache_") for n in inputs)) if i not in kept]
+        self._fixed = {SKIP_INPUT: torch.tensor(skip, device=self.device)} if SKIP_INPUT in inputs else {}
+        self._buffers: dict[str | tuple, torch.Tensor] = {}   # by name; the skipped layers' scratch by shape
         self._cache: KVCache | None = None
         self._shapes: dict[tuple[int, int, int], _Shape] = {}   # (B, S, num_logits) -> its binding
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
         # a fused CPU graph outputs each cache with the pass's new entries scattered in: bound to the cache's own
         # buffer, ONNX Runtime writes them in place (see specrt.export.fuse)
         self.writes_cache = f"k_cache_0{WRITTEN}" in {o.name for o in self.session.get_outputs()}
-        # MatMulNBits with int8 activations rounds a lone row (one token, one row) differently from a row of a
-        # larger pass on some CPUs (the M = 1 kernel; every M >= 2 agrees): there such passes run as two tokens,
-        # the second a copy whose entry lands in a spare slot, so that a plain step equals a verify pass's row
         self.pad_single = False
         self._single: dict[int, tuple] = {}   # num_logits -> the padded pass's inputs and output views
-        if spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu":
-            self.pad_single = not self._lone_rows_agree()
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
         """A cache of `length` slots per row (default and at most the engine's max_seq_len), and a spare one where
@@ -176,6 +186,14 @@ class OrtEngine:
     def use_cache(self, cache: KVCache) -> None:
         """Make `cache` the one passes read by default (each shape's binding binds its buffers at its next pass)."""
         self._cache = cache
+
+    def _scratch(self, shape: torch.Size) -> torch.Tensor:
+        """A buffer of `shape` that the skipped layers' outputs go to, kept for as long as the engine (bindings of
+        other shapes may still point at it)."""
+        key = ("scratch", tuple(shape))
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
+        return self._buffers[key]
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A flat output buffer that only grows (no allocation in steady state)."""
@@ -197,8 +215,13 @@ class OrtEngine:
             return self._padded(input_ids, position_ids, past_len, num_logits, cache)
         shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
         if shape.cache is None or shape.cache() is not cache:   # the cache's buffers, once per shape and cache
-            for i, buf in enumerate(cache.layer_buffers()):
-                name = f"{'kv'[i % 2]}_cache_{i // 2}"
+            buffers = cache.layer_buffers()
+            names = [f"{kv}_cache_{layer}" for layer in self.graph_layers for kv in "kv"]
+            if self.skipped:   # the self drafter's skipped layers: their caches pass through one scratch buffer
+                scratch = self._scratch(buffers[0].shape)
+                names += [f"{kv}_cache_{layer}" for layer in self.skipped for kv in "kv"]
+                buffers += [scratch] * (2 * len(self.skipped))
+            for name, buf in zip(names, buffers):
                 bind_tensor(shape.io, "input", name, buf, self.device)
                 if self.writes_cache:
                     bind_tensor(shape.io, "output", name + WRITTEN, buf, self.device)
@@ -207,7 +230,7 @@ class OrtEngine:
         if num is None:
             num = self._num[num_logits] = torch.tensor([num_logits], dtype=torch.int64, device=self.device)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_len": past_len,
-                 "tree_mask": tree_mask, "num_logits": num, **extra}
+                 "tree_mask": tree_mask, "num_logits": num, **self._fixed, **extra}
         for name, t in feeds.items():
             bound = shape.inputs.get(name)
             if bound is not None and bound[0] is t:   # the loop's persistent inputs: the same tensor as bound
@@ -276,7 +299,10 @@ class OrtEngine:
         bind_tensor(io, "output", "logits", logits, self.device)
         bind_tensor(io, "output", "hidden", hidden, self.device)
         for i in range(2 * self.layers):
-            bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i], self.device)
+            bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{self.graph_layers[i // 2]}", new_kv[i], self.device)
+        if self.skipped:   # scratch: the skipped layers' new keys and values (specrt.export.self_spec)
+            for name in (f"{kv}_new_{layer}" for layer in self.skipped for kv in "kv"):
+                bind_tensor(io, "output", name, self._scratch(new_kv[0].shape), self.device)
         aux = None
         if "aux" in sizes:
             aux = self._buffer("aux", sizes["aux"]).narrow(0, 0, sizes["aux"]).view(B, S, -1)
@@ -303,6 +329,17 @@ class OrtEngine:
         pos = (cache.past_len[:, None] + torch.arange(k, device=dev)).contiguous()
         mask = chain_mask(batch, k, dev)
         return measure(lambda: self.forward(ids, pos, cache.past_len, mask, k, cache, **extra), reps)
+
+
+class LayerSkipEngine(OrtEngine):
+    """The self drafter (specrt.export.self_spec) on the target engine's own session: the same weights, in memory
+    once, the session's `skip_layers` input true. Its cache holds the kept layers only; its bindings are its own."""
+
+    def __init__(self, target: OrtEngine, spec: dict):
+        self.ort, self.spec, self.device, self.dtype = target.ort, spec, target.device, target.dtype
+        self.session, self.weights = target.session, target.weights
+        self._start(spec, skip=True)
+        self.pad_single = target.pad_single   # the same kernels as the target's passes
 
 
 class OrtHeads:

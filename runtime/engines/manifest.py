@@ -13,6 +13,9 @@ MANIFEST = "manifest.json"
 # a fused CPU graph's extra outputs: a cache input's name + this is that cache with the pass's new entries written
 # at each row's past_len (bound to the input's own buffer, the engine writes them in place; see specrt.export.fuse)
 WRITTEN = "_written"
+# the bool scalar input of a target engine that holds the self drafter: true runs its kept layers only
+# (specrt.export.self_spec.skip_graph)
+SKIP_INPUT = "skip_layers"
 
 
 def sha256_file(path: Path) -> str:

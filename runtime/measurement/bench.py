@@ -272,6 +272,8 @@ def _setup(cfg: BenchConfig, bench: "Bench") -> _Setup:
 def _cost_entry(gen) -> dict:
     costs = gen.costs()
     entry = {"draft_step_s": costs.draft_step, "verify_s": costs.verify, "c": costs.c}
+    if gen.has("self"):   # the self drafter's step (the target over its kept layers), for self's c and prediction
+        entry["self_step_s"] = gen.costs(draft="self").draft_step
     if gen.has("eagle") or gen.has("mtp"):   # one EAGLE drafter pass over a tree level, as the adaptive rounds time it
         from specrt.decoding.eagle import DynamicTree
         entry["eagle_level_s"] = gen.eagle_costs(1, DynamicTree(**gen.eagle.spec.get("dynamic_tree", {}))).draft_step

@@ -88,21 +88,21 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """One `llama-server` process over `gguf`: one slot of `n_ctx` positions (the engine's max_seq_len, the same KV
-    capacity as specrt's), `threads` threads for prefill and decode, on a free local port, its output in
-    `log_path` (a temporary file when None), `extra` arguments after those, `env` variables added to its
+    """One `llama-server` process over `gguf`: `parallel` slots (-np) sharing `n_ctx` positions (the engine's
+    max_seq_len a slot, the same KV capacity as specrt's), `threads` threads for prefill and decode, on a free local
+    port, its output in `log_path` (a temporary file when None), `extra` arguments after those, `env` variables added to its
     environment. A context manager; `close()` ends it."""
 
     def __init__(self, gguf: Path, n_ctx: int, threads: int, path: str | os.PathLike | None = None,
                  log_path: Path | None = None, wait_s: float = 120, extra: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, parallel: int = 1):
         self.binary = binary(path)
         self._tmp = tempfile.TemporaryDirectory(prefix="llama-server-")
         self.log_path = Path(log_path or Path(self._tmp.name) / "server.log")
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         args = [str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(n_ctx),
-                "-t", str(threads), "-tb", str(threads), "--parallel", "1", "--cache-ram", "0",
+                "-t", str(threads), "-tb", str(threads), "--parallel", str(parallel), "--cache-ram", "0",
                 "--slot-save-path", self._tmp.name, "--no-webui", *extra]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

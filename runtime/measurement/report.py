@@ -35,6 +35,12 @@ def _costs(info: dict) -> dict[str, Costs]:
             for name, e in _cost_entries(info).items()}
 
 
+def _self_costs(info: dict) -> dict[str, Costs]:
+    """Each specrt system's costs with the self drafter's step as the drafting step, where it has one."""
+    return {name: Costs(e["self_step_s"], {int(k): v for k, v in e["verify_s"].items()})
+            for name, e in _cost_entries(info).items() if e.get("self_step_s") is not None}
+
+
 def _order(system: str) -> tuple:
     return (SYSTEM_ORDER.get(system.split(" ")[0], len(SYSTEM_ORDER)), system)
 
@@ -45,11 +51,12 @@ def _eagle_c(info: dict, costs: dict[str, Costs]) -> dict[str, float]:
             for name, e in _cost_entries(info).items() if e.get("eagle_level_s") is not None}
 
 
-def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, float] | None = None) -> list[dict]:
+def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, float] | None = None,
+              self_costs: dict[str, Costs] | None = None) -> list[dict]:
     """One row per (system, method, temperature): totals over prompts, speedup against specrt autoregressive
     at the same temperature (tokens/s over tokens/s, both measured in this run). c: the drafter's step over the
-    target's (the draft model's for draft*, the EAGLE drafter's level pass for eagle, 0 for drafters that cost
-    no pass)."""
+    target's (the draft model's for draft*, the self drafter's for self, the EAGLE drafter's level pass for eagle,
+    0 for drafters that cost no pass)."""
     groups = defaultdict(list)
     for r in runs:
         groups[(r["system"], r["method"], r["temperature"])].append(r)
@@ -60,17 +67,17 @@ def summarize(runs: list[dict], costs: dict[str, Costs], eagle_c: dict[str, floa
         gamma = _mean([r.get("gamma_mean") or r.get("gamma") for r in rs])
         speculative = system.startswith("specrt") and method != "autoregressive"
         base = method.split("+")[0]            # the method of METHOD+typical (typical acceptance)
-        chain = base in ("draft", "ngram")     # the formula's model: a chain of γ drafts
-        cost = costs.get(system)
+        chain = base in ("draft", "ngram", "self")   # the formula's model: a chain of γ drafts
+        cost = (self_costs or {}).get(system) if base == "self" else costs.get(system)
         rows.append({
             "system": system, "method": method, "temperature": temp, "prompts": len(rs), "tokens": tokens,
             "time_s": time_s, "tokens_per_s": tokens / time_s, "alpha": alpha,
-            "c": (cost.c if method.startswith("draft") else (eagle_c or {}).get(system, 0.0) if base == "eagle"
-                  else 0.0) if speculative else None,
+            "c": (cost.c if method.startswith("draft") or (base == "self" and cost) else
+                  (eagle_c or {}).get(system, 0.0) if base == "eagle" else 0.0) if speculative else None,
             "distribution_preserving": all(r.get("distribution_preserving", True) for r in rs),
             "gamma_mean": gamma,
             "predicted_speedup": _predicted(cost, alpha, max(1, round(gamma)))
-            if chain and speculative and alpha is not None and gamma else None,
+            if chain and cost and speculative and alpha is not None and gamma else None,
             "tree_size": _mean([r.get("tree_size") for r in rs]),
             "mean_tokens_per_round": _mean([r.get("mean_tokens_per_round") for r in rs]),
             "plain_share": _plain_share(rs),
@@ -381,7 +388,7 @@ def _save(fig, path: Path) -> Path:
 def write_outputs(bench) -> dict:
     cfg, info = bench.config, bench.info
     costs = _costs(info)
-    summary = summarize(bench.runs, costs, _eagle_c(info, costs))
+    summary = summarize(bench.runs, costs, _eagle_c(info, costs), _self_costs(info))
     costs = costs["specrt"]
     attach_memory(summary, bench.memory)
     results = {

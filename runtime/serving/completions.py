@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jinja2
@@ -208,35 +208,40 @@ def _joined(lists) -> list | None:
     return None if all(x is None for x in lists) else [item for x in lists for item in x or []]
 
 
-async def _with_calls(pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
+def _with_calls(pieces: AsyncIterator[Piece], tools: Tools) -> AsyncIterator[Piece]:
     """A stream's pieces with tool calls: each piece's text read for calls (CallReader), its content and its calls'
     deltas as they come; the last piece's finish reason "tool_calls" where the reply made calls and ended by
     itself."""
     reader = tools.reader()
-    try:
-        async for piece in pieces:
-            content, deltas = reader.feed(piece.text or "")
-            reason = piece.reason
-            if reason is not None:
-                content += reader.end()
-                reason = "tool_calls" if reader.calls and reason == "stop" else reason
-            yield Piece(content, piece.ids, piece.logprobs, reason, piece.stats, deltas or None, piece.rounds,
-                        piece.reasoning)
-    finally:
-        await pieces.aclose()
+
+    def read(piece: Piece) -> Piece:
+        content, deltas = reader.feed(piece.text or "")
+        reason = piece.reason
+        if reason is not None:
+            content += reader.end()
+            reason = "tool_calls" if reader.calls and reason == "stop" else reason
+        return replace(piece, text=content, reason=reason, calls=deltas or None)
+    return _each(pieces, read)
 
 
-async def _with_reasoning(pieces: AsyncIterator[Piece], thinking: Thinking) -> AsyncIterator[Piece]:
+def _with_reasoning(pieces: AsyncIterator[Piece], thinking: Thinking) -> AsyncIterator[Piece]:
     """A stream's pieces with the reasoning taken out of their text (ReasoningReader), as each piece's `reasoning`."""
     reader = thinking.reader()
+
+    def read(piece: Piece) -> Piece:
+        reasoning, content = reader.feed(piece.text or "")
+        if piece.reason is not None:
+            more, rest = reader.end()
+            reasoning, content = reasoning + more, content + rest
+        return replace(piece, text=content, reasoning=reasoning or None)
+    return _each(pieces, read)
+
+
+async def _each(pieces: AsyncIterator[Piece], read) -> AsyncIterator[Piece]:
+    """Each of `pieces` as `read` rewrites it; `pieces` closed at the end."""
     try:
         async for piece in pieces:
-            reasoning, content = reader.feed(piece.text or "")
-            if piece.reason is not None:
-                more, rest = reader.end()
-                reasoning, content = reasoning + more, content + rest
-            yield Piece(content, piece.ids, piece.logprobs, piece.reason, piece.stats, piece.calls, piece.rounds,
-                        reasoning or None)
+            yield read(piece)
     finally:
         await pieces.aclose()
 

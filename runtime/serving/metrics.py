@@ -203,13 +203,15 @@ class _VllmNames:
 
 
 def merge(texts: dict[str, bytes], label: str) -> bytes:
-    """Several servers' texts as one: every sample gains `label` = its server's key (a replica's name), so one scrape
-    counts them all and PromQL sums them (`sum by (model_name) (...)`)."""
+    """Several servers' texts as one: every sample gains `label` = its server's key (a replica's name), and before
+    them comes the whole, without `label`, as one server would report it (`whole`)."""
     families: dict[str, Metric] = {}
     for source, text in sorted(texts.items()):
         for family in text_string_to_metric_families(text.decode()):
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             merged.samples += [s._replace(labels={**s.labels, label: source}) for s in family.samples]
+    for family in families.values():
+        family.samples = whole(family, label) + family.samples
 
     class Merged:
         def collect(self):
@@ -218,3 +220,20 @@ def merge(texts: dict[str, bytes], label: str) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Merged())
     return generate_latest(registry)
+
+
+def whole(family: Metric, label: str) -> list:
+    """The servers' samples of one family (each labelled `label`) combined by their other labels: counters,
+    histograms (buckets, counts, sums) and gauges summed, but shares (names ending `_perc`) averaged: with equal rows
+    in every server (replicas of one deployment) the mean is the share of all their rows; timestamps (`_created`)
+    have no whole."""
+    if family.type not in ("counter", "histogram", "gauge") or family.name.endswith("_created"):
+        return []
+    groups: dict[tuple, list] = {}
+    for s in family.samples:
+        if not s.name.endswith("_created"):
+            key = (s.name, tuple((k, v) for k, v in s.labels.items() if k != label))
+            groups.setdefault(key, []).append(s)
+    mean = family.name.endswith("_perc")
+    return [same[0]._replace(labels=dict(labels), value=sum(s.value for s in same) / (len(same) if mean else 1))
+            for (_, labels), same in groups.items()]

@@ -9,9 +9,13 @@ with an error event and `[DONE]`; Serve starts a new replica in its place, as it
 has died (its health check, `Engine.check_health`, fails as its /health does). Requests beyond `--max-waiting`
 waiting for a replica with room get a 429 (Serve's `max_queued_requests` at the ingress).
 
+Routing: with the replicas' prefix caches on, the ingress's handle routes through `PrefixRouter`
+(specrt.serving.router, Serve's `request_router_config`): a request goes to the replica that holds the longest prefix
+of it, falling back to the less loaded of two; `prefix_routing=False` (`--no-prefix-routing`) leaves Serve's default.
+
 Metrics: every replica sends its registry's text to one `MetricsHub` actor each PUSH_S seconds; the ingress's
-`/metrics` answers with all of them merged, each sample labelled with its `replica` (specrt.serving.metrics.merge), so
-one scrape counts every replica.
+`/metrics` answers with all of them merged, each sample labelled with its `replica`, and before them the whole (summed;
+shares averaged) without that label (specrt.serving.metrics.merge), so one scrape counts every replica.
 
 `application(args)` is the Serve application builder (`serve run specrt.serving.replicas:application
 engines=engines/default`, or the `import_path` of a `serve deploy` config: docs/serving.md#replicas-on-ray-serve);
@@ -32,12 +36,14 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 
 from specrt.decoding.generate import AUTO, PREFILL_CHUNK
 from specrt.errors import InputError
 from specrt.serving.metrics import CONTENT_TYPE, merge
 from specrt.serving.protocol import APIError, error_body
+from specrt.serving.router import PrefixRouter
 from specrt.serving.server import Guard, Limits, create_app, load
 
 REPLICA_HEADER = "x-specrt-replica"   # which replica answered: host:pid
@@ -64,8 +70,14 @@ class ReplicaConfig:
     prefix_cache_mb: float | None = None  # each replica's own prefix cache (None: the default, see server.load)
     tool_parser: str = "auto"             # the format of tool calls (tool_parsers.FORMATS; auto: the template's)
     reasoning_parser: str = "auto"        # the reasoning section (reasoning.FORMATS; auto: the template's; none)
+    prefix_routing: bool | None = None    # route by prefix to the replica whose cache holds it (None: if it caches)
 
     def __post_init__(self):
+        if self.prefix_routing and self.prefix_cache_mb == 0:
+            raise InputError("prefix routing sends a request to the replica whose prefix cache holds its prefix, and "
+                             "--prefix-cache 0 turns the caches off: drop --prefix-routing or give the cache its MB")
+        if self.prefix_routing is None:
+            self.prefix_routing = self.prefix_cache_mb != 0
         self.engines = str(Path(self.engines).resolve())   # the same path on every node of the cluster
         self.model_name = self.model_name or Path(self.engines).name
         if self.datastore is not None:
@@ -217,14 +229,17 @@ async def _relay(answer) -> AsyncIterator[bytes]:
 def build(config: ReplicaConfig, replicas: int = 1, autoscale: tuple[int, int] | None = None):
     """The Serve application: `replicas` Engine replicas (or autoscaling between autoscale's bounds, aiming at a
     full batch each) behind one Ingress. `--max-waiting` bounds the requests the ingress holds for a replica with room
-    (Serve's max_queued_requests; each replica's own queue stays empty: it takes no more than a batch)."""
+    (Serve's max_queued_requests; each replica's own queue stays empty: it takes no more than a batch). The ingress's
+    handle routes with PrefixRouter where config.prefix_routing says so."""
     if replicas < 1:
         raise InputError(f"replicas {replicas}: must be at least 1")
     scaling = {"num_replicas": replicas} if autoscale is None else {"autoscaling_config": {
         "min_replicas": autoscale[0], "max_replicas": autoscale[1], "target_ongoing_requests": config.max_batch}}
     queued = {} if config.limits.max_waiting is None else {"max_queued_requests": config.limits.max_waiting}
+    router = {"request_router_config": RequestRouterConfig(request_router_class=PrefixRouter)} \
+        if config.prefix_routing else {}
     engine = serve.deployment(Engine, max_ongoing_requests=config.max_batch,
-                              ray_actor_options={"num_cpus": config.threads}, **scaling, **queued)
+                              ray_actor_options={"num_cpus": config.threads}, **scaling, **queued, **router)
     # the ingress only relays: as many requests as all replicas take at once and their waiting ones
     ingress = serve.deployment(serve.ingress()(Ingress), max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(config), config.limits)
@@ -235,6 +250,11 @@ def application(args: dict):
     `replicas` (the number of Engine replicas; a config's `deployments` entry may override it)."""
     args = dict(args)
     replicas = int(args.pop("replicas", 1))
+    routing = args.get("prefix_routing")
+    if isinstance(routing, str):   # `serve run ... prefix_routing=false` passes text
+        if routing.lower() not in ("true", "false"):
+            raise InputError(f"prefix_routing {routing!r}: true or false")
+        args["prefix_routing"] = routing.lower() == "true"
     return build(ReplicaConfig(**args), replicas)
 
 
