@@ -604,10 +604,10 @@ def _serve_replicas(engines, host, port, model_name, method, device, threads, ma
                    "one server; they take turns at each load, and their greedy answers are compared.")
 @click.option("--temperature", default="0", show_default=True, metavar="T1,T2",
               help="Temperatures (comma-separated; 0 is greedy); sampled requests are seeded by their index.")
-@click.option("--prompts", default="mt-bench", show_default=True,
-              type=click.Choice(["mt-bench", "code", "long", "mixed"]),
-              help="The packaged prompt sets (long: cut to 1024 tokens); mixed: MT-Bench, code, MT-Bench, long, "
-                   "over and over.")
+@click.option("--prompts", default="mt-bench", show_default=True, metavar="SET|FILE",
+              help="The packaged prompt sets: mt-bench, code, long (cut to 1024 tokens) or mixed (MT-Bench, code, "
+                   "MT-Bench, long, over and over); or a JSONL file of your own, a row {\"prompt\": TEXT} per "
+                   "request (docs/bench/heldout-prompts.jsonl: prompts no drafter or tuning has seen).")
 @click.option("--llama-server", "llama_server", default=None, type=click.Path(exists=True, dir_okay=False),
               help="An arm of llama.cpp's server (make llama-server: build/llama.cpp/bin/llama-server) with a slot "
                    "for each concurrent request, on the GGUF file the target came from, the same prompts, threads, "

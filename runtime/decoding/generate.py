@@ -59,6 +59,7 @@ class Generator:
         self.eagle_ids = None   # the vocabulary ids of the EAGLE drafter's logit columns, if only its kept ones
         self.engine_time = 0.0
         self._batch_costs: dict = {}
+        self._interpolated: set[int] = set()   # batch sizes of _batch_costs on the line between measured ones
         self._self_costs: dict[int, Costs] = {}   # batch -> the self drafter's step beside _batch_costs' passes
         self._last_pool = None
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, regime) -> the last request's; regime:
@@ -189,7 +190,8 @@ class Generator:
     def measured(self) -> dict:
         """What this process has measured that start_warm starts a new one from (Tuning's fields): the pass times,
         and per regime what the last request of each method left the policies and EAGLE's calibration."""
-        passes = {b: dict(c.verify) for b, c in self._batch_costs.items() if isinstance(b, int)}
+        passes = {b: dict(c.verify) for b, c in self._batch_costs.items() if isinstance(b, int)
+                  and b not in self._interpolated}
         draft = max((c.draft_step for b, c in self._batch_costs.items() if isinstance(b, int)), default=0.0)
         levels = {key[2]: {} for key in self._batch_costs if isinstance(key, tuple)}
         for key, c in self._batch_costs.items():
@@ -703,13 +705,14 @@ class Generator:
     # ---- costs --------------------------------------------------------------------------------------------
     def costs(self, batch: int = 1, upto: int = MAX_GAMMA + 1, draft: bool | str = True) -> Costs:
         """Time target passes over 1..MAX_GAMMA+1 tokens per row on this machine (once per batch size, ~1 s for one
-        row; for several rows two passes, with a line through them) and, with `draft` where the set has a draft
+        row; for several rows two passes, with a line through them; between two measured sizes, on the line between
+        them: _between) and, with `draft` where the set has a draft
         model, its step (else `draft_step` stays 0: the caller does not need it, and the model is not loaded for
         it); `draft` "self": the self drafter's step instead. `upto` (a tree's size) adds passes over a few more
         sizes up to it."""
         saved = self.engine_time
         context = min(64, self.target.spec["max_seq_len"] - MAX_GAMMA - 2)
-        if batch not in self._batch_costs:
+        if batch not in self._batch_costs and not self._between(batch):
             if batch == 1:
                 verify = self._pass_times(context, range(1, MAX_GAMMA + 2), batch)
             else:
@@ -724,10 +727,25 @@ class Generator:
             costs.draft_step = self._drafter_engine(role).time_pass(context, 1)
         upto = min(upto, self.target.spec["max_seq_len"])
         more = sorted({k for k in (12, 16, 24, 32, 48, 64, upto) if max(costs.verify) < k <= upto})
-        if more:
+        if more and batch not in self._interpolated:   # (an interpolated size's larger passes: on its line)
             costs.verify.update(self._pass_times(min(64, self.target.spec["max_seq_len"] - more[-1]), more, batch))
         self.engine_time = saved
         return costs
+
+    def _between(self, batch: int) -> bool:
+        """Pass times at a batch size between two measured ones, on the line between them, into _batch_costs: a
+        size first met while serving (rows joining and leaving) was timed then, and stalled the live streams for
+        0.3–0.6 s a size on 2 cores (sizes 3, 5, 6 and 7 of a tuning that measured 1, 2, 4 and 8: 2 s). False where
+        no measured size lies on either side (the size is measured)."""
+        sizes = [b for b in self._batch_costs if isinstance(b, int) and b not in self._interpolated]
+        lo, hi = max((b for b in sizes if b < batch), default=None), min((b for b in sizes if b > batch), default=None)
+        if lo is None or hi is None:
+            return False
+        a, b, w = self._batch_costs[lo], self._batch_costs[hi], (batch - lo) / (hi - lo)
+        verify = {k: a.verify[k] + (b.verify[k] - a.verify[k]) * w for k in sorted(set(a.verify) & set(b.verify))}
+        self._batch_costs[batch] = Costs(a.draft_step, verify)
+        self._interpolated.add(batch)
+        return True
 
     def _pass_times(self, context: int, sizes, batch: int, sweeps: int = 2) -> dict[int, float]:
         """Seconds of a target pass over each size: the best of `sweeps` sweeps over the sizes, interleaved, so

@@ -269,10 +269,17 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def serving_prompts(kind: str, requests: int, engines: Path) -> list[str]:
     """`requests` prompts of the packaged sets: MT-Bench questions, code completions, the long prompts cut to
-    LONG_TOKENS tokens (at most half the engines' positions), or the three mixed."""
+    LONG_TOKENS tokens (at most half the engines' positions), or the three mixed; or of a JSONL file of one's own
+    (bench's prompt files: rows with `prompt` or `turns`), repeated in turn if it holds fewer."""
     from specrt.measurement.bench import LONG_PROMPTS, load_prompts
     if kind not in PROMPT_SETS:
-        raise InputError(f"--prompts {kind!r}: one of {', '.join(PROMPT_SETS)}")
+        if not Path(kind).is_file():
+            raise InputError(f"--prompts {kind!r}: one of {', '.join(PROMPT_SETS)}, or a JSONL file of prompts")
+        own = [p.text for p in load_prompts(Path(kind), 10000)]
+        if not own or any(t is None for t in own):
+            raise InputError(f"--prompts {kind!r}: expected rows with 'prompt' or 'turns' (text: the requests are "
+                             "chat messages)")
+        return [own[i % len(own)] for i in range(requests)]
     sets = {"mt-bench": [p.text for p in load_prompts(None, 1000)],
             "code": [p.text for p in load_prompts(None, 1000, "code_prompts.jsonl")]}
     if kind in ("long", "mixed"):
