@@ -205,7 +205,7 @@ def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, me
     prefilled); EAGLE's features are copied and its layer prefilled from them."""
     gen, _ = engines
     first, prompt = ids_of(30, 1), ids_of(30, 1) + ids_of(9, 2)
-    batches = []
+    states, m = [], len(prompt)
     for cache in (None, PrefixCache(1 << 20, block=B)):
         gen.prefix_cache = cache
         try:
@@ -215,15 +215,14 @@ def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, me
             batch.add(prompt, 8)
         finally:
             gen.prefix_cache = None
-        batches.append(batch)
-    assert [b.cached_tokens for b in batches] == [0, 24]
-    m = len(prompt)
-    for part in ("pool", "target"):
-        a, b = ((bt.drafter.pool if part == "pool" else bt.run.pool).data[:, 0, :, :m - 1] for bt in batches)
+        # copies: the next batch of these sizes reuses the buffers (Generator.reused)
+        states.append({"cached": batch.cached_tokens, "pool": batch.drafter.pool.data[:, 0, :, :m - 1].clone(),
+                       "target": batch.run.pool.data[:, 0, :, :m - 1].clone(),
+                       "history": batch.drafter._history[0, :m].clone() if method == "eagle" else None})
+    assert [s["cached"] for s in states] == [0, 24]
+    for part in ("pool", "target") + (("history",) if method == "eagle" else ()):
+        a, b = (s[part] for s in states)
         assert (a - b).abs().max() < TOL, part
-    if method == "eagle":
-        a, b = (bt.drafter._history[0, :m] for bt in batches)
-        assert (a - b).abs().max() < TOL
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -233,7 +232,7 @@ def test_requests_sharing_a_prefix_in_one_batch(engines, method):
     prompts = [system + ids_of(5 + i, 20 + i) for i in range(3)]
     try:
         off = gen.generate(prompt_ids=prompts, max_new_tokens=12, **options(method))
-        gen._last_pool = None   # a new cache, not the rows the run without a hit left (the same prefixes)
+        gen._buffers.clear()   # new caches, not the rows the run without a hit left (the same prefixes)
         gen.prefix_cache = cache = PrefixCache(1 << 20, block=B)
         on = gen.generate(prompt_ids=prompts, max_new_tokens=12, **options(method))
     finally:

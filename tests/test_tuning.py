@@ -3,6 +3,7 @@ rule; a new process starts from the tuning's pass times and policy figures; a st
 from __future__ import annotations
 
 import json
+import time
 import re
 import shutil
 
@@ -132,6 +133,24 @@ def test_a_new_process_starts_warm_from_the_tuning(tuned, monkeypatch):
     for method in ("eagle", "draft", "ngram"):
         for temperature in (0.0, 0.8):
             gen.generate(prompt_ids=PROMPT, max_new_tokens=10, method=method, temperature=temperature, seed=2)
+
+
+def test_a_server_times_a_batch_larger_than_the_tunings_at_its_start(tuned):
+    """A server of 6 rows over a tuning of 1, 2 and 4: the 6 rows' passes are timed before the first request, not
+    in the round where the batch first reaches them, and 5 rows take the line between 4 and 6."""
+    from specrt.serving.server import Scheduler
+    _, done, _ = tuned
+    gen = Generator.from_engines(done)
+    scheduler = Scheduler(gen, 6)
+    try:
+        deadline = time.monotonic() + 60
+        while not gen.timed(6) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        scheduler.close()
+    assert gen.timed(6) and not gen.timed(5)
+    four, six = gen.costs(4, draft=False).verify, gen.costs(6, draft=False).verify
+    assert gen.costs(5, draft=False).verify == pytest.approx({k: (four[k] + six[k]) / 2 for k in four})
 
 
 def test_a_stale_tuning_is_ignored(tuned, tmp_path):

@@ -80,7 +80,7 @@ class Batch:
         if getattr(self.drafter, "costs", None) is not None:
             self.drafter.costs(1)   # EAGLE's tree sizing: the passes are timed now, not inside the first round
         self.run = _Run(capacity, max_len, cache_len, params, gen.target.spec.get("eos_token_ids", []),
-                        gen._pool(capacity, cache_len))
+                        gen._pool(capacity, cache_len), gen.reused)
         self.joining: collections.deque[_Joining] = collections.deque()   # oldest first, in rows after the live
         self.prompt_tokens = self.cached_tokens = 0   # the requests' prompt tokens, those from the prefix cache
         gen.engine_time = 0.0

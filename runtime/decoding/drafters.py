@@ -167,7 +167,8 @@ class DraftModelDrafter:
 
     def _make_pool(self, run) -> None:
         if self.pool is None:   # another vocabulary's tokens: up to twice the target's (its graph's max_seq_len)
-            self.pool = self.engine.new_cache(run.capacity, run.cache_len * (1 if self.vocab_map is None else 2))
+            size = (run.capacity, run.cache_len * (1 if self.vocab_map is None else 2))
+            self.pool = run.reused(self.part, size, lambda: self.engine.new_cache(*size))
             self.skip_mark = run.skipped   # run.skipped when the cache was last ready for a proposal
 
     def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:

@@ -120,9 +120,10 @@ class EagleDrafter:
         the target's chunks: slots start .. start+S−1 but the prompt's last (slot t: feature t, token t+1), so
         that the first round's catch-up feeds one slot, as in every later round."""
         if self.pool is None:
-            self.pool = self.engine.new_cache(run.capacity, run.cache_len)
-            self._history = torch.zeros(run.capacity, run.cache_len, hidden.shape[-1], dtype=hidden.dtype,
-                                        device=run.device)
+            size = (run.capacity, run.cache_len)
+            self.pool = run.reused("eagle", size, lambda: self.engine.new_cache(*size))
+            self._history = run.reused("eagle history", (*size, hidden.shape[-1], hidden.dtype), lambda: torch.zeros(
+                *size, hidden.shape[-1], dtype=hidden.dtype, device=run.device))
             # the CPU's host path (see Generator._verify): the round's bookkeeping in numpy over these views
             self._host_history = self._history.numpy() if self.pool.host_data is not None and \
                 hidden.dtype == torch.float32 else None

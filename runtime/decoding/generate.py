@@ -61,7 +61,7 @@ class Generator:
         self._batch_costs: dict = {}
         self._interpolated: set[int] = set()   # batch sizes of _batch_costs on the line between measured ones
         self._self_costs: dict[int, Costs] = {}   # batch -> the self drafter's step beside _batch_costs' passes
-        self._last_pool = None
+        self._buffers: dict[str, tuple] = {}   # role -> (sizes, a batch's buffers): see reused
         self._gamma_policies: dict[tuple, GammaPolicy] = {}  # (method, regime) -> the last request's; regime:
         self._tree_policies: dict[tuple, TreePolicy] = {}    # greedy (a bool) or "typical" (see Batch); the same
         self._eagle_figures: dict[bool | str, Figures] = {}  # for tree methods; regime -> the last EAGLE request's
@@ -438,13 +438,21 @@ class Generator:
         return min(models[role]["max_seq_len"] for role in ("target", "draft") if role in models)
 
     def _pool(self, capacity: int, length: int):
-        """The target's cache for a batch: the last one made when the size repeats (a server's batches, a bench's
-        requests), else a new one."""
-        key = (capacity, length)
-        if self._last_pool is None or self._last_pool[0] != key:
-            self._last_pool = None   # let the old one go first
-            self._last_pool = (key, self.target.new_cache(capacity, length))
-        return self._last_pool[1]
+        """The target's cache for a batch (`reused`)."""
+        return self.reused("target", (capacity, length), lambda: self.target.new_cache(capacity, length))
+
+    def reused(self, role: str, key: tuple, make):
+        """A batch's buffers of `role` (the target's or a drafter's cache, EAGLE's feature history): the last ones
+        made when `key` (their sizes) repeats, as a server's batches and a bench's requests do, else `make()` (the
+        old ones let go first). One batch runs at a time over a Generator. New ones cost every request that starts
+        a batch its time to first token: on 2 cores 150–200 ms for the target's cache, 15–20 ms for the draft
+        model's, 15 ms for EAGLE's cache and history (a sampled request's `auto` took 40 ms longer than
+        autoregressive's to its first token)."""
+        last = self._buffers.get(role)
+        if last is None or last[0] != key:
+            self._buffers.pop(role, None)
+            self._buffers[role] = (key, make())
+        return self._buffers[role][1]
 
     @property
     def chains_only(self) -> bool:
@@ -731,6 +739,10 @@ class Generator:
             costs.verify.update(self._pass_times(min(64, self.target.spec["max_seq_len"] - more[-1]), more, batch))
         self.engine_time = saved
         return costs
+
+    def timed(self, batch: int) -> bool:
+        """Whether the target's pass times at this batch size are measured (here or by the tuning)."""
+        return batch in self._batch_costs and batch not in self._interpolated
 
     def _between(self, batch: int) -> bool:
         """Pass times at a batch size between two measured ones, on the line between them, into _batch_costs: a
