@@ -113,8 +113,10 @@ def test_search_drops_the_layer_that_costs_least(tiny):
         kept, search = search_layers(target, [[1, 2, 3], [5, 6, 7, 8]], log=lambda *_: None)
     finally:
         torch.set_num_threads(threads)
-    first = search["steps"][0]
-    assert first["layers"] == 3 and kept == [s for s in range(4) if s not in
-                                             [x["dropped"] for x in search["steps"][:4 - len(kept)]]]
-    best = max(search["steps"], key=lambda s: s["estimated_speedup"])
-    assert len(kept) == best["layers"]
+    alone, steps = {int(d): x for d, x in search["alone"].items()}, search["steps"]
+    assert set(alone) == {0, 1, 2}   # the last layer is the self drafter's always
+    order = sorted(alone, key=lambda d: (-alone[d], d))   # the least missed layer first
+    assert [x["dropped"] for x in steps] == order[:len(steps)] and steps[0]["layers"] == 3
+    assert steps[0]["agreement"] == round(alone[order[0]], 4)
+    best = max(steps, key=lambda s: s["estimated_speedup"])
+    assert kept == [k for k in range(4) if k not in order[:4 - best["layers"]]]
