@@ -84,8 +84,9 @@ def test_policy_prefers_plain_steps_when_drafts_fail_and_keeps_probing():
     policy = GammaPolicy(costs, max_gamma=8)
     assert policy.choose() >= 1                                   # the prior expects drafts to pay
     policy.update(0, 40)                                          # then nothing is accepted
-    picks = [policy.choose() for _ in range(16)]
-    assert picks.count(0) == 14 and picks[7] == picks[15] == 1    # a γ = 1 probe every 8th round
+    picks = [policy.choose() for _ in range(8 + 16 + 32 + 64 + 64)]
+    # γ = 1 probes after 8 plain rounds, then 16, 32 and at most 64 while they do not pay
+    assert [i for i, g in enumerate(picks) if g] == [7, 7 + 16, 7 + 16 + 32, 7 + 16 + 32 + 64, 7 + 16 + 32 + 64 * 2]
     policy.update(200, 200)                                       # the text turns predictable
     assert policy.choose() >= 3
 

@@ -59,9 +59,12 @@ class Costs:
 @dataclass
 class GammaPolicy:
     """γ for the next round from the running acceptance α and the measured costs, maximising expected tokens
-    per second. γ = 0 (a plain target step) wins when the drafter does not pay for itself; then every
-    `probe_every`-th round still speculates with γ = 1, so that α keeps being measured and speculation resumes
-    when the text turns predictable."""
+    per second. γ = 0 (a plain target step) wins when the drafter does not pay for itself; then a round still
+    speculates with γ = 1 after `probe_every` plain ones, so that α keeps being measured and speculation resumes
+    when the text turns predictable; after twice as many each time a probe leaves plain steps winning (up to 8 ×
+    `probe_every`), back to `probe_every` once drafts pay, as TreePolicy's probes. (A probe of the draft model at 8
+    rows, its catch-up over the skipped tokens, a step and a wider pass, cost about two plain rounds on 2 cores: one
+    every 8 rounds cost a server's sampled `auto` 8–12 %.)"""
     costs: Costs
     max_gamma: int
     prior_alpha: float = 0.6
@@ -70,6 +73,7 @@ class GammaPolicy:
     accepted: float = 0.0
     proposed: float = 0.0
     idle: int = 0
+    backoff: int = 1
     chosen: list[int] = field(default_factory=list)
 
     @property
@@ -90,13 +94,19 @@ class GammaPolicy:
     def choose(self) -> int:
         best = max(range(self.max_gamma + 1), key=self.rate)
         if best == 0:
-            self.idle += 1
-            if self.idle % self.probe_every == 0:
-                best = 1
+            best = int(self._probe())
         else:
-            self.idle = 0
+            self.idle, self.backoff = 0, 1
         self.chosen.append(best)
         return best
+
+    def _probe(self) -> bool:
+        """A round where plain steps win: whether it probes (see the class)."""
+        self.idle += 1
+        if self.idle < self.probe_every * self.backoff:
+            return False
+        self.idle, self.backoff = 0, min(self.backoff * 2, 8)
+        return True
 
     def saturated(self) -> bool:
         """Whether no acceptance pays for a draft at these costs: γ + 1 tokens, each draft accepted, in a round that
@@ -120,11 +130,10 @@ class GammaPolicy:
             if any(rows) and rate > best_rate:
                 best, best_rate, best_rows = g, rate, rows
         if best == 0:
-            self.idle += 1
-            if self.idle % self.probe_every == 0:
+            if self._probe():
                 best, best_rows = 1, live
         else:
-            self.idle = 0
+            self.idle, self.backoff = 0, 1
             best_rows = [r or (p and a) for r, p, a in zip(best_rows, probing, live)]
         self.chosen.append(best)
         return best, best_rows

@@ -267,6 +267,10 @@ def run(config: ReplicaConfig, host: str, port: int, replicas: int, autoscale: t
     def stop(*_):
         raise KeyboardInterrupt
 
+    # Serve's proxy must answer its readiness check within 5 s, three times, or it is killed and Serve's start fails:
+    # on a busy 2-core machine (the replicas loading their engines beside other work) it took longer; a local Ray
+    # instance's actors inherit this process's environment (a user's own setting stands)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     ray.init(include_dashboard=False)
     signal.signal(signal.SIGTERM, stop)   # SIGTERM as Ctrl-C (after Ray's own): the replicas and Ray stop too
     try:
