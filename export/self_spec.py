@@ -126,6 +126,11 @@ def export_self(target: SpecModel, layers: str, source: str, directory: Path, eo
     L, search = target.args.num_layers, None
     if layers == "auto":
         kept, search = search_layers(target, prompts, log)
+        best = max(search["steps"], key=lambda x: x["estimated_speedup"])["estimated_speedup"]
+        if best < 1:
+            log(f"warning: the best layer choice is estimated at {best:.2f}× autoregressive decoding: this model's "
+                "layers are not redundant enough to draft without training (`specrt tune` measures it; `auto` "
+                "takes it only where it is measured faster)")
     else:
         kept = parse_layers(layers, L)
     model = self_model(target, kept)
