@@ -122,12 +122,12 @@ class _Run:
     the CPU they share memory). The attributes without a leading underscore are views of the live rows."""
 
     def __init__(self, capacity: int, max_len: int, cache_len: int, params: SamplingParams, stop_ids, cache,
-                 reused=None):
+                 reused):
         device = cache.data.device
         self.capacity, self.max_len, self.cache_len = capacity, max_len, cache_len
         self.params, self.stop_ids, self.pool = params, frozenset(stop_ids), cache
         # (role, sizes, make) -> the drafters' buffers, the last batch's where the sizes repeat (Generator.reused)
-        self.reused = reused or (lambda role, key, make: make())
+        self.reused = reused
         self.generator = params.generator(device)
         self._host_tokens = np.zeros((capacity, max_len), np.int64)
         self._host_lengths = np.zeros(capacity, np.int64)
