@@ -91,18 +91,28 @@ def test_greedy_eagle_equals_target_greedy(eagle_pair, shape):
     assert accepted > 0 or shape["top_k"] == 1   # accepted paths (and their cache compaction) ran
 
 
-@pytest.mark.parametrize("plain_every", [0, 2, 3, "moved", "alone"], ids=["trees", "plain-every-2",
-                                                                       "plain-every-3", "moved-row", "chains-alone"])
+@pytest.mark.parametrize("plain_every", [0, 2, 3, "moved", "alone", "deferred"],
+                         ids=["trees", "plain-every-2", "plain-every-3", "moved-row", "chains-alone", "deferred"])
 def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, plain_every):
     """The cache invariant: slot t holds what the drafter computes from the target's feature at position t
     and token t + 1 (checked against the eager drafter over the target's features of the final sequence),
     also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds, for a
-    request that joined a running batch and moved to a freed row when the one before it finished, and when
-    rounds of lookup chains alone (no drafter pass) come between the drafter's."""
+    request that joined a running batch and moved to a freed row when the one before it finished, when
+    rounds of lookup chains alone (no drafter pass) come between the drafter's, and when a prompt's pass over the
+    drafter's layer was left to its first proposal (Batch._defers), which feeds it in chunks (_fill)."""
     gen, model, tmp = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
     prompt = [3, 9, 1, 4, 1]
     alone = count_lookup_nodes(monkeypatch)
+    fills = []   # "deferred": how far the drafter's cache was at each proposal's fill
+    if plain_every == "deferred":
+        monkeypatch.setattr(Batch, "_defers", lambda self: True)
+        monkeypatch.setattr(gen, "prefill_chunk", 8)
+        monkeypatch.setattr(eagle, "PREFILL_CHUNK", 8)
+        fill = EagleDrafter._fill
+        monkeypatch.setattr(EagleDrafter, "_fill", lambda self, run: (fills.append(int(self._past[0])),
+                                                                      fill(self, run))[1])
+        plain_every, prompt = 0, (prompt * 5)[:22]
     if plain_every != "alone":   # every tree round is the drafter's
         monkeypatch.setattr(EagleDrafter, "_lookup_only", lambda self, *args: None)
     else:                        # every other round, where the text allows, chains alone
@@ -136,6 +146,7 @@ def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, pl
     P = int(drafter.pool.past_len[0])
     assert rounds >= 2 and P >= len(prompt) + rounds - 1 - alone[2]   # the drafter's rounds caught up
     assert (alone[2] > 0) == (request.node.callspec.id == "chains-alone")
+    assert (fills[:1] == [0]) == (request.node.callspec.id == "deferred")   # its first proposal found it unfed
     eager = load_eagle(tmp / "eagle", from_hf(model, MAX_LEN))
     with torch.no_grad():
         feats = model.model(tokens).last_hidden_state                               # (1, n, d) after the norm
@@ -144,6 +155,42 @@ def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, pl
                            chain_mask(1, P), torch.tensor([1]), feats[:, :P], empty, empty)
     assert torch.allclose(drafter.pool.data[0, 0, :, :P], k[0], atol=1e-4)
     assert torch.allclose(drafter.pool.data[1, 0, :, :P], v[0], atol=1e-4)
+
+
+def test_speculation_counts_the_rows_queued_to_join(eagle_pair, monkeypatch):
+    """A round's choice counts the rows of the prompts queued to join: where a tree does not pay at that size, the
+    live row takes a plain step rather than delay their prefills, and their prompts' passes over the drafter's
+    layer wait for their first proposal (Batch._defers); once the size pays again, those rows draft, and every row
+    keeps the target's greedy output."""
+    gen, model, _ = eagle_pair
+    shaped(gen, top_k=2, depth=3, nodes=6)
+    flat = Costs(0.0, {k: 1e-3 for k in range(1, 65)})              # a tree's verify pass costs a plain step's
+    steep = Costs(0.0, {k: 1e-3 * k for k in range(1, 65)})         # each token costs a step: no tree pays
+    monkeypatch.setattr(gen, "_batch_costs", {1: flat, 2: steep, 3: steep, 4: steep})
+    monkeypatch.setattr(TreePolicy, "choose", lambda self: True)
+    defers = []
+    real = Batch._defers
+    monkeypatch.setattr(Batch, "_defers", lambda self: (defers.append(real(self)), defers[-1])[1])
+    prompts = [[2, 7, 7, 1], [5, 3, 9, 9, 2], [1, 4, 1, 5, 9, 2], [8, 6, 8, 6]]
+    batch = gen.batch(4, method="eagle")
+    batch.add(prompts[0], 12, owner=0)
+    batch.step()
+    for i, p in enumerate(prompts[1:], 1):
+        batch.join(p, 12, owner=i)
+    batch.step()                                        # one row live, three queued: a plain round
+    assert batch.run.by_batch[1] == [2, 1], batch.run.by_batch
+    while batch.joining:
+        batch.prefill()
+    assert defers == [False, True, True, True]          # the first prompt alone: its pass ran at its prefill
+    gen._batch_costs.update({2: flat, 3: flat, 4: flat})
+    done = {}
+    while batch.run.batch:
+        batch.step()
+        done |= {row.owner: tokens for row, tokens in batch.retire()}
+    assert batch.run.by_batch[4][1] > 0                 # the deferred rows drafted
+    for i, p in enumerate(prompts):
+        ref = gen.generate(prompt_ids=p, max_new_tokens=12, method="autoregressive").token_ids[0]
+        assert_same_or_tie(done[i], ref, p, model)
 
 
 def test_batch_rows_share_the_tree_shape(eagle_pair):

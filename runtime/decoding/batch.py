@@ -30,7 +30,7 @@ class Batch:
     the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
     rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
     stop (`constrained`: its requests have grammars, and `auto` runs the tuning's method for that). Speculation
-    follows the batch size: with several rows live, a round speculates only where the measured
+    follows the batch size (its live rows and those of the prompts queued to join): with several rows, a round speculates only where the measured
     pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
     free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
     on it."""
@@ -200,6 +200,7 @@ class Batch:
         if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
             run.hidden = run.hidden.clone()
         prompt = run.prompt(j.row, m)                                                   # (1, m)
+        defer = self.drafter is not None and self._defers()   # (it may time passes: before this one's)
         out = gen._timed(gen.target, j.cache, prompt[:, start:start + S], (start + _arange(S, dev))[None],
                          chain_mask(1, S, dev), 1)
         j.cache.write(out.new_kv)
@@ -208,7 +209,7 @@ class Batch:
         if self.drafter is not None:
             # an EAGLE-3 drafter reads the target's aux states (the inputs of three layers) where others read hidden
             feats = out.aux if getattr(self.drafter, "aux", None) else out.hidden
-            self.drafter.prefill(run, j.row, prompt, start, feats)
+            self.drafter.prefill(run, j.row, prompt, start, feats, defer=defer)
         if j.done < m:
             return None
         if gen.prefix_cache is not None:
@@ -234,9 +235,17 @@ class Batch:
         cache.copy(hit, "target", j.cache.data[:, 0], axis=2)                          # (2L, Hkv, Smax, D)
         j.cache.truncate(hit.tokens)
         if self.drafter is not None:
-            self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), cache, hit, self.gen.prefill_chunk)
+            self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), cache, hit, self.gen.prefill_chunk,
+                                 defer=self._defers())
         j.done = j.cached = hit.tokens
         self.cached_tokens += hit.tokens
+
+    def _defers(self) -> bool:
+        """Whether a joining prompt's drafter pass waits for the row's first proposal: where the drafter can feed a
+        row from what it keeps (EAGLE: the target's features at every position) and the batch, this prompt's rows
+        counted, takes plain steps because a tree's verify pass does not pay at its size (a server under load:
+        EAGLE's pass over each prompt was 7 % of its prefill, and most rows never drafted)."""
+        return getattr(self.drafter, "defers", False) and self.trees is not None and not self._tree_pays(self.taken)
 
     def _join(self, j: _Joining, out) -> None:
         """A request's prompt is in its row (`out`: the target's pass over its last chunk): the rows go live, each
@@ -343,17 +352,21 @@ class Batch:
         if not live:
             return
         began, n = time.perf_counter(), run.batch
+        # speculation follows the size the batch is about to have: the rows of the prompts queued to join count (a
+        # round that speculates for 1 row while 7 prompts wait delays their prefills, and their tokens, to add a
+        # token or two to that row's)
+        size = self.taken
         timed = True
         if tree is not None:   # a tree round needs cache room for its span, else a plain step
             g = tree.max_depth if gen._room(run) >= self.span - 1 else 0
             if g and self.trees is not None:
-                timed = self._tree_pays(n)     # rounds the batch size decides are not the trees' to time
+                timed = self._tree_pays(size)     # rounds the batch size decides are not the trees' to time
                 g = g if timed and self.trees.choose() else 0
         elif drafter is None:
             g = 0
         else:
-            if self.policy is not None and n != self._costs_for:   # the costs at this batch size
-                self.policy.costs, self._costs_for = self._chain_costs(n), n
+            if self.policy is not None and size != self._costs_for:   # the costs at this batch size
+                self.policy.costs, self._costs_for = self._chain_costs(size), size
             g = self._chain_gamma(active, live) if self.policy else self.gamma or MAX_GAMMA
             g = gen._fit_gamma(run, g) if g else 0
         constrained = any(row.matcher is not None for row in run.rows)

@@ -125,10 +125,11 @@ class RowlessDrafter:
 
     cache_needs = ()   # the parts of the prefix cache a hit must have for it (see Batch._restore): none
 
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor,
+                defer: bool = False) -> None:
         pass
 
-    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int, defer: bool = False) -> None:
         pass
 
     def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
@@ -171,8 +172,10 @@ class DraftModelDrafter:
             self.pool = run.reused(self.part, size, lambda: self.engine.new_cache(*size))
             self.skip_mark = run.skipped   # run.skipped when the cache was last ready for a proposal
 
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
-        """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1)."""
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor,
+                defer: bool = False) -> None:
+        """The prompt minus its last token, in the target's chunks: positions start .. start+S−1 (but m−1). (Its
+        pass never waits: `defer` is EAGLE's, Batch._defers.)"""
         self._prefill(run, row, prompt, start, hidden.shape[1])
 
     def _prefill(self, run, row: int, prompt: torch.Tensor, start: int, S: int) -> None:
@@ -192,7 +195,7 @@ class DraftModelDrafter:
             one.write(out.new_kv)
             one.past_len += S
 
-    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int, defer: bool = False) -> None:
         """A prompt's first `hit.tokens` positions from the prefix cache `cache` (a PrefixCache): its keys and values
         where they are cached (copied), the rest (blocks that a request of another method cached) prefilled in
         `chunk`s."""

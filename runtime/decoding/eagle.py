@@ -42,6 +42,7 @@ import torch
 
 from specrt.decoding.datastore import best_chain
 from specrt.decoding.drafters import NgramDrafter, PassInputs, Proposal, _arange, chain_mask
+from specrt.decoding.run import PREFILL_CHUNK
 from specrt.errors import InputError
 from specrt.decoding.sampling import top_k_in_place
 from specrt.decoding.tree import Tree
@@ -115,10 +116,14 @@ class EagleDrafter:
     pool = None   # the cache's rows for the whole batch, made at the first prefill
     _past = None  # the host's copy of the pool's past_len (a round's pass shape, without reading the device)
 
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+    defers = True   # a prompt's pass over the drafter's layer can wait for its first proposal (Batch._defers)
+
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor,
+                defer: bool = False) -> None:
         """A chunk of the request's prompt features (1, S, d) into the history, and its slots into the cache, in
         the target's chunks: slots start .. start+S−1 but the prompt's last (slot t: feature t, token t+1), so
-        that the first round's catch-up feeds one slot, as in every later round."""
+        that the first round's catch-up feeds one slot, as in every later round. `defer`: the features alone; the
+        slots are fed at the row's first proposal (_fill)."""
         if self.pool is None:
             size = (run.capacity, run.cache_len)
             self.pool = run.reused("eagle", size, lambda: self.engine.new_cache(*size))
@@ -129,25 +134,32 @@ class EagleDrafter:
                 hidden.dtype == torch.float32 else None
         if self._past is None:
             self._past = np.zeros(run.capacity, np.int64)
-        S, dev = hidden.shape[1], run.device
-        self._history[row, start:start + S] = hidden[0]
-        one = self.pool.row(row)
+        self._history[row, start:start + hidden.shape[1]] = hidden[0]
         if start == 0:
-            one.truncate(0)
-        n = min(S, prompt.shape[1] - 1 - start)
+            self.pool.row(row).truncate(0)
+            self._past[row] = 0
+        if not defer:
+            self._slots(run, row, prompt, start, hidden)
+
+    def _slots(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor) -> None:
+        """One row's slots from `start` on (its cache's end) from the features `hidden` (1, S, d) there and the
+        prompt's tokens after them, but the prompt's last."""
+        one, dev = self.pool.row(row), run.device
+        n = min(hidden.shape[1], prompt.shape[1] - 1 - start)
         if n > 0:
             out = self.timer(self.engine, one, prompt[:, start + 1:start + 1 + n], (start + _arange(n, dev))[None],
                              chain_mask(1, n, dev), 1, **self._target_states(hidden[:, :n]))
             one.write(out.new_kv)
             one.past_len += n
+            self._past[row] += n
 
-    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int) -> None:
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int, defer: bool = False) -> None:
         """A prompt's first `hit.tokens` positions from the prefix cache `cache` (a PrefixCache): the target's states
         there are cached, the drafter's own layer is not (its slot t reads token t+1, past the block that holds
-        position t), so it is prefilled from them in `chunk`s."""
+        position t), so it is prefilled from them in `chunk`s (`defer`: at the row's first proposal)."""
         states = cache.read(hit, self.cache_needs[0])[None]                     # (1, length, d)
         for start in range(0, hit.tokens, chunk):
-            self.prefill(run, row, prompt, start, states[:, start:start + chunk])
+            self.prefill(run, row, prompt, start, states[:, start:start + chunk], defer)
 
     def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
         """What the prefix cache keeps of a row after its prompt's prefill, or of a `finished` row: the target's
@@ -161,7 +173,7 @@ class EagleDrafter:
         for c in range(1, copies):
             self._history[row + c, :m] = self._history[row, :m]
             self.pool.copy_row(row, row + c, m)
-        self._past[row:row + copies] = max(m - 1, 0)
+        self._past[row:row + copies] = self._past[row]
 
     def move(self, src: int, dst: int, count: int) -> None:
         self.pool.copy_row(src, dst, count)
@@ -211,11 +223,23 @@ class EagleDrafter:
         if quick is not None:
             tree, tokens = quick
         else:
+            self._fill(run)
             logits, feature = self._catch_up_host(run) if host else self._catch_up(run)
             tree, tokens = self._grow(run, logits, feature, depth, hits)
         nodes = torch.from_numpy(tokens).to(run.device)
         return Proposal(nodes, None, torch.ones_like(nodes, dtype=torch.bool), tree,
                         host=(tokens, None) if host else None)
+
+    def _fill(self, run) -> None:
+        """Rows far behind (a prompt whose slots were left to its first proposal, or many plain rounds) are fed on
+        their own, in the prefill's chunks, up to their last slot: the round's catch-up pass pads every row to the
+        longest backlog."""
+        for b, n in enumerate(run.host_lengths[:run.batch].tolist()):
+            p = int(self._past[b])
+            if n - 2 - p > FILL:
+                prompt = run.prompt(b, n - 1)   # slots p .. n−3 read tokens p+1 .. n−2
+                for start in range(p, n - 2, PREFILL_CHUNK):
+                    self._slots(run, b, prompt, start, self._history[b:b + 1, start:start + PREFILL_CHUNK])
 
     def _catch_up(self, run):
         """Feed slots past_len .. n−2 of each row (one pass, rows padded at the end) -> the first level's
@@ -437,6 +461,7 @@ class EagleDrafter:
                           mask, k, **self._own_states(torch.cat(feats, 1)))
 
 
+FILL = 16     # slots behind: a row fed on its own before the round's catch-up (_fill)
 DECAY = 0.97   # per round, the calibration's memory (a few dozen rounds: it follows the text)
 
 
