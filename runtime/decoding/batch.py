@@ -30,10 +30,10 @@ class Batch:
     the live rows), `step` runs one round over the live rows, `retire` takes the finished ones out and frees their
     rows. The rows share the method and the sampling options; each has its own prompt, length, acceptance and
     stop (`constrained`: its requests have grammars, and `auto` runs the tuning's method for that). Speculation
-    follows the batch size (its live rows and those of the prompts queued to join): with several rows, a round speculates only where the measured
-    pass times at that size say a verify pass still pays for the tokens it adds (on a CPU it stops being nearly
-    free within a few rows), and the stats count rounds by batch size. generate() and `specrt serve` are built
-    on it."""
+    follows the batch size (its live rows and those of the prompts queued to join): with several rows, a round
+    speculates only where the measured pass times at that size say a verify pass still pays for the tokens it adds
+    (on a CPU it stops being nearly free within a few rows), and the stats count rounds by batch size. generate()
+    and `specrt serve` are built on it."""
 
     def __init__(self, gen: "Generator", capacity: int, cache_len: int | None = None, *, method: str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
