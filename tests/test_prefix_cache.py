@@ -13,7 +13,7 @@ import torch
 from conftest import export_tiny_with_drafters, tiny_model
 from greedy_check import assert_same_or_tie
 from test_speculative import P_MIN, chi_square_p, exact_joint, pair, sample_first3  # noqa: F401 (pair: a fixture)
-from specrt.decoding.generate import Generator
+from specrt.decoding.generate import Batch, Generator
 from specrt.decoding.prefix_cache import BLOCK, PrefixCache
 from specrt.decoding.sampling import SamplingParams
 from specrt.errors import InputError
@@ -223,6 +223,30 @@ def test_drafter_state_after_a_hit_is_the_state_after_a_full_prefill(engines, me
     for part in ("pool", "target") + (("history",) if method == "eagle" else ()):
         a, b = (s[part] for s in states)
         assert (a - b).abs().max() < TOL, part
+
+
+def test_eagle_layer_left_to_the_first_proposal_after_a_hit(engines, monkeypatch):
+    """A hit whose EAGLE layer pass waits for the row's first proposal (Batch._defers): the row is fed then from
+    the restored features and the prompt's own (EagleDrafter._fill), into the cache a full prefill gives."""
+    gen, _ = engines
+    first, prompt = ids_of(30, 1), ids_of(30, 1) + ids_of(9, 2)
+    m, pools = len(prompt), []
+    for cache, defer in ((None, False), (PrefixCache(1 << 20, block=B), True)):
+        monkeypatch.setattr(Batch, "_defers", lambda self, defer=defer: defer)
+        gen.prefix_cache = cache
+        try:
+            if cache is not None:
+                gen.generate(prompt_ids=first, max_new_tokens=1, **options("eagle"))
+            batch = gen.batch(1, m + 8, **options("eagle"))
+            batch.add(prompt, 8)
+        finally:
+            gen.prefix_cache = None
+        drafter = batch.drafter
+        assert int(drafter._past[0]) == (0 if defer else m - 1) and batch.cached_tokens == (24 if defer else 0)
+        drafter._fill(batch.run)   # what the row's first proposal does
+        assert int(drafter._past[0]) == m - 1 == int(drafter.pool.past_len[0])
+        pools.append(drafter.pool.data[:, 0, :, :m - 1].clone())
+    assert (pools[0] - pools[1]).abs().max() < TOL
 
 
 @pytest.mark.parametrize("method", METHODS)
