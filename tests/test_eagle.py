@@ -99,14 +99,16 @@ def test_catch_up_feeds_the_target_features(eagle_pair, monkeypatch, request, pl
     also when plain steps (the tree policy's fallback, here on a fixed pattern) come between tree rounds, for a
     request that joined a running batch and moved to a freed row when the one before it finished, when
     rounds of lookup chains alone (no drafter pass) come between the drafter's, and when a prompt's pass over the
-    drafter's layer was left to its first proposal (Batch._defers), which feeds it in chunks (_fill)."""
+    drafter's layer was left to its first proposal (Batch._defers, decided once for all the prompt's chunks), which
+    feeds it in chunks (_fill)."""
     gen, model, tmp = eagle_pair
     shaped(gen, top_k=3, depth=3, nodes=8)
     prompt = [3, 9, 1, 4, 1]
     alone = count_lookup_nodes(monkeypatch)
     fills = []   # "deferred": how far the drafter's cache was at each proposal's fill
-    if plain_every == "deferred":
-        monkeypatch.setattr(Batch, "_defers", lambda self: True)
+    if plain_every == "deferred":   # the answer asked at the prompt's first chunk holds for its others
+        answers = iter([True] + [False] * 10)
+        monkeypatch.setattr(Batch, "_defers", lambda self: next(answers))
         monkeypatch.setattr(gen, "prefill_chunk", 8)
         monkeypatch.setattr(eagle, "PREFILL_CHUNK", 8)
         fill = EagleDrafter._fill

@@ -191,16 +191,18 @@ class Batch:
         the drafter, into its row; after the last chunk its rows join. Returns the last chunk's pass once they
         have (its buffers valid until the next pass), None before."""
         run, gen = self.run, self.gen
-        if j.cached is None:
+        if run.batch:   # the live rows' features, kept before a pass reuses the engine's buffers
+            run.hidden = run.hidden.clone()
+        if j.cached is None:   # its first chunk: whether the drafter's pass waits, once for all its chunks (a
+            # chunk fed after one that waited would write its slots at the row's cache end); before its own pass,
+            # since the answer may time passes at a new size, which reuse the engine's buffers
+            j.defer = self.drafter is not None and self._defers()
             self._restore(j)
         m, start, dev = len(j.ids), j.done, run.device
         # the odd-sized chunk first: the passes over the longest context, the largest, then share one shape (the
         # engines' allocators reuse their buffers rather than adding new ones for a last, smaller pass)
         S = (m - start - 1) % gen.prefill_chunk + 1
-        if run.batch:   # the live rows' features, kept before the pass reuses the engine's buffers
-            run.hidden = run.hidden.clone()
         prompt = run.prompt(j.row, m)                                                   # (1, m)
-        defer = self.drafter is not None and self._defers()   # (it may time passes: before this one's)
         out = gen._timed(gen.target, j.cache, prompt[:, start:start + S], (start + _arange(S, dev))[None],
                          chain_mask(1, S, dev), 1)
         j.cache.write(out.new_kv)
@@ -209,7 +211,7 @@ class Batch:
         if self.drafter is not None:
             # an EAGLE-3 drafter reads the target's aux states (the inputs of three layers) where others read hidden
             feats = out.aux if getattr(self.drafter, "aux", None) else out.hidden
-            self.drafter.prefill(run, j.row, prompt, start, feats, defer=defer)
+            self.drafter.prefill(run, j.row, prompt, start, feats, defer=j.defer)
         if j.done < m:
             return None
         if gen.prefix_cache is not None:
@@ -236,7 +238,7 @@ class Batch:
         j.cache.truncate(hit.tokens)
         if self.drafter is not None:
             self.drafter.restore(run, j.row, run.prompt(j.row, len(j.ids)), cache, hit, self.gen.prefill_chunk,
-                                 defer=self._defers())
+                                 defer=j.defer)
         j.done = j.cached = hit.tokens
         self.cached_tokens += hit.tokens
 

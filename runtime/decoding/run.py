@@ -82,6 +82,7 @@ class _Joining:
     rounds: bool = False                 # its rows keep a Round per round (_Row.round_log)
     partition: str | None = None         # its prefix cache partition (PrefixCache: its tenant; None: the shared one)
     seed: int | None = None              # its seed (a seeded batch's: else the batch's own), see _Row.seed_key
+    defer: bool = False                  # its drafter pass waits for its first proposal (Batch._defers): all chunks
 
     @property
     def copies(self) -> int:
