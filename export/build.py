@@ -241,8 +241,8 @@ def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_we
 
                 from specrt.export.self_spec import skip_graph
                 graph_only = onnx.load(str(built), load_external_data=False)
-                onnx.save_model(skip_graph(graph_only, self_layers, spec["layers"]), str(built))
-                extra["self_layers"] = self_layers
+                onnx.save_model(skip_graph(graph_only, spec["layers"]), str(built))
+                extra["layer_skip"] = "per layer"   # SKIP_INPUT: one entry per layer
         remove(engine)   # the old engine and its data file
         for f in (built, data_path(built)):
             if f.exists():

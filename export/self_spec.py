@@ -216,12 +216,13 @@ def search_layers(target: SpecModel, prompts: list[list[int]], log=print) -> tup
                      "positions": sum(s.shape[1] - t for s, t in zip(seqs, starts)), "prompts": len(prompts)}
 
 
-def skip_graph(model: onnx.ModelProto, kept: list[int], num_layers: int) -> onnx.ModelProto:
-    """The target graph with the self drafter inside it: each run of skipped layers in an ONNX `If` on the bool
-    scalar input SKIP_INPUT. False: the layers run as before. True: the hidden state passes them unchanged (the
-    next layer's input norm is taken of the state that entered the run), their caches are returned as given (an
-    output bound to its input's buffer: nothing copied) and their new keys and values are scratch (the cache's
-    first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): the run is a
+def skip_graph(model: onnx.ModelProto, num_layers: int) -> onnx.ModelProto:
+    """The target graph with its self drafters inside it: each layer but the last in an ONNX `If` on its entry of
+    the bool input SKIP_INPUT (num_layers,), so that the layers a drafter keeps are chosen per pass (`specrt tune`
+    measures several sets on the one engine). All false: the target. Layer i skipped: the hidden state passes it
+    unchanged (the next layer's input norm is taken of the state that entered it), its cache is returned as given
+    (an output bound to its input's buffer: nothing copied) and its new keys and values are scratch (the cache's
+    first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): each layer is a
     subgraph over the outer graph's initializers. Made for the graphs that `specrt build` writes (checked on its
     fused ones, the default): the residual stream between layers i and i+1 is the tensor `/layers.i/Add_1_output_0`,
     and the one entering layer a is the first input of the node that writes `/layers.a/Add_output_0`."""
@@ -229,11 +230,9 @@ def skip_graph(model: onnx.ModelProto, kept: list[int], num_layers: int) -> onnx
     g = model.graph
     producer = {o: n for n in g.node for o in n.output if o}
     outputs = {o.name: o for o in g.output}
-    for a, b in _runs([i for i in range(num_layers) if i not in kept]):
-        if b == num_layers - 1:
-            raise InputError(f"kept layers {_ranges(kept)}: the self drafter keeps the target's last layer")
+    for a in range(num_layers - 1):
         enter = producer[f"/layers.{a}/Add_output_0"].input[0]              # the residual stream entering layer a
-        boundary = producer[f"/layers.{b}/Add_1_output_0"]                  # writes the stream leaving layer b
+        boundary = producer[f"/layers.{a}/Add_1_output_0"]                  # writes the stream leaving it
         inside = _between(g, enter, boundary)
         moved = {id(n) for n in inside}   # (a NodeProto's == compares its contents)
         names = [o for n in inside for o in n.output if o]
@@ -242,7 +241,7 @@ def skip_graph(model: onnx.ModelProto, kept: list[int], num_layers: int) -> onnx
         then_nodes, then_out = [], []
         for name in needed:
             out = f"{name}/skipped"
-            if name == f"/layers.{b}/Add_1_output_0":
+            if name == f"/layers.{a}/Add_1_output_0":
                 then_nodes.append(helper.make_node("Identity", [enter], [out]))
             elif boundary.op_type == "SkipSimplifiedLayerNormalization" and name == boundary.output[0]:
                 eps = next((x.f for x in boundary.attribute if x.name == "epsilon"), 1e-5)
@@ -258,35 +257,28 @@ def skip_graph(model: onnx.ModelProto, kept: list[int], num_layers: int) -> onnx
                                helper.make_node("Slice", [cache, f"{out}/zero", f"{out}/shape", f"{out}/axis"],
                                                 [out])]
             else:
-                raise InputError(f"layers {a}-{b} of the target graph: {name!r} is read after them, and the self "
+                raise InputError(f"layer {a} of the target graph: {name!r} is read after it, and the self "
                                  "drafter has nothing to give for it")
             then_out.append(out)
         elem = outputs["hidden"].type.tensor_type.elem_type
         typed = lambda n: helper.make_tensor_value_info(                    # noqa: E731
             n, outputs[n].type.tensor_type.elem_type if n in outputs else elem, None)
-        then = helper.make_graph(then_nodes, f"skip_{a}_{b}", [], [helper.make_tensor_value_info(
+        then = helper.make_graph(then_nodes, f"skip_{a}", [], [helper.make_tensor_value_info(
             o, typed(n).type.tensor_type.elem_type, None) for o, n in zip(then_out, needed)])
-        run = helper.make_graph(inside, f"layers_{a}_{b}", [], [typed(n) for n in needed])
-        node = helper.make_node("If", [SKIP_INPUT], needed, name=f"/layers.{a}-{b}/skip", then_branch=then,
-                                else_branch=run)
+        run = helper.make_graph(inside, f"layer_{a}", [], [typed(n) for n in needed])
+        cond = f"/layers.{a}/skip"
+        nodes = [helper.make_node("Constant", [], [f"{cond}/index"], value=helper.make_tensor(
+                     f"{cond}/index", onnx.TensorProto.INT64, [], [a])),
+                 helper.make_node("Gather", [SKIP_INPUT, f"{cond}/index"], [cond], axis=0),
+                 helper.make_node("If", [cond], needed, name=f"/layers.{a}/skip_if", then_branch=then,
+                                  else_branch=run)]
         at = min(i for i, n in enumerate(g.node) if id(n) in moved)
         rest = [n for n in g.node if id(n) not in moved]
         del g.node[:]
-        g.node.extend(rest[:at] + [node] + rest[at:])
+        g.node.extend(rest[:at] + nodes + rest[at:])
         producer = {o: n for n in g.node for o in n.output if o}
-    g.input.append(helper.make_tensor_value_info(SKIP_INPUT, onnx.TensorProto.BOOL, []))
+    g.input.append(helper.make_tensor_value_info(SKIP_INPUT, onnx.TensorProto.BOOL, [num_layers]))
     return model
-
-
-def _runs(layers: list[int]) -> list[tuple[int, int]]:
-    """[3, 4, 5, 8] -> [(3, 5), (8, 8)]."""
-    out = []
-    for i in layers:
-        if out and out[-1][1] == i - 1:
-            out[-1] = (out[-1][0], i)
-        else:
-            out.append((i, i))
-    return out
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:

@@ -45,15 +45,27 @@ def without_layers(model, kept):
     return small
 
 
-def test_the_graph_is_the_target_without_the_skipped_layers(tiny):
+@pytest.fixture
+def layers(tiny, request):
+    """The self drafter on the layers `request.param` for a test (the engine's skip_layers input), KEPT again after."""
+    gen = tiny[0]
+    gen.self_draft.use_layers(request.param)
+    yield request.param
+    gen.self_draft.use_layers(KEPT)
+
+
+@pytest.mark.parametrize("layers", [KEPT, [0, 3], [2, 3]], indirect=True)
+def test_the_graph_is_the_target_without_the_skipped_layers(tiny, layers):
     gen, model, _ = tiny
     ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = gen.self_draft.run_sequence(ids, num_logits=len(ids)).logits[0]                     # (S, V)
     with torch.no_grad():
-        ref = without_layers(model, KEPT)(torch.tensor([ids]), use_cache=False).logits[0]
+        ref = without_layers(model, layers)(torch.tensor([ids]), use_cache=False).logits[0]
         full = model(torch.tensor([ids])).logits[0]
     assert torch.allclose(ours, ref, atol=1e-4), float((ours - ref).abs().max())
     assert not torch.allclose(ours, full, atol=1e-2)   # not the whole target
+    target = gen.target.run_sequence(ids, num_logits=len(ids)).logits[0]   # the target's passes skip nothing
+    assert torch.allclose(target, full, atol=1e-4), float((target - full).abs().max())
 
 
 def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
@@ -66,11 +78,14 @@ def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
     assert stored and {e.value for t in stored for e in t.external_data if e.key == "location"} == {"target.onnx.data"}
     assert not (directory / "self.onnx.data").exists() and not (directory / "self.ort.onnx").exists()
     # in memory: the target's own session, on its skip_layers input (one copy of the weights, packed once)
-    assert gen.self_draft.session is gen.target.session and gen.self_draft.skipped == [2]
+    assert gen.self_draft.session is gen.target.session and gen.self_draft.kept == KEPT
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_greedy_is_the_targets(tiny, tree):
+@pytest.mark.parametrize("tree,layers", [(False, KEPT), (True, KEPT), (False, [0, 3])], ids=["chain", "tree", "0,3"],
+                         indirect=["layers"])
+def test_greedy_is_the_targets(tiny, tree, layers):
+    """On the target's own cache (SelfDrafter): fails when the drafter writes a committed position (its kept layers
+    past a skipped one would leave their entries there, not the target's)."""
     gen, model, _ = tiny
     rates = []
     for seed in range(3):
@@ -79,7 +94,8 @@ def test_greedy_is_the_targets(tiny, tree):
         out = gen.generate(prompt_ids=prompt, max_new_tokens=16, method="self", gamma=3, tree=tree, adaptive=False)
         assert_same_or_tie(out.token_ids[0], ref, prompt, model)
         rates.append(out.stats["acceptance_rate"])
-    assert max(rates) > 0.3, rates   # the target's own layers draft: most drafts accepted
+    assert max(rates) > (0.3 if layers == KEPT else 0.05), rates   # the target's own layers draft
+    assert "self" not in gen._buffers   # no cache of its own: the target's
 
 
 def test_sampled_is_the_targets_distribution(tiny):
@@ -120,3 +136,26 @@ def test_search_drops_the_layer_that_costs_least(tiny):
     assert steps[0]["agreement"] == round(alone[order[0]], 4)
     best = max(steps, key=lambda s: s["estimated_speedup"])
     assert kept == [k for k in range(4) if k not in order[:4 - best["layers"]]]
+
+
+def test_tune_chooses_the_layers_from_what_they_measure(tiny, tmp_path):
+    """`specrt tune` measures layer sets on the one engine and records the best estimate; a warm process runs it."""
+    import shutil
+    from specrt.measurement.tune import TuneConfig, tune
+    from specrt.engines.manifest import read_manifest, write_manifest
+    directory = shutil.copytree(tiny[2], tmp_path / "engines")
+    manifest = read_manifest(directory)
+    manifest["models"]["self"]["kept_layers"] = [3]   # the export's choice: one tune will not keep (acceptance ~0)
+    write_manifest(directory, manifest)
+    result = tune(directory, TuneConfig(prompts=2, new_tokens=12, batches=(1,), trees=False), log=lambda *_: None)
+    steps = result.self_search
+    assert steps and [len(s["layers"]) for s in steps] == list(range(3, 3 - len(steps), -1))
+    assert all(set(b["layers"]) < set(a["layers"]) for a, b in zip(steps, steps[1:]))   # one more dropped each
+    assert [s["agreement_alone"] for s in steps] == sorted((s["agreement_alone"] for s in steps), reverse=True)
+    assert all(s["step_s"] > 0 and 0 <= s["alpha"] <= 1 and s["layers"][-1] == 3 for s in steps)
+    best = max(steps, key=lambda s: s["estimated_speedup"])
+    assert result.self_layers == best["layers"] and len(best["layers"]) > 1
+    stop = steps[-1]["alpha"] <= 0.1, len(steps) - steps.index(best) == 4, len(steps) == 3   # (alpha rounded)
+    assert any(stop) and not any(s["alpha"] < 0.1 for s in steps[:-1])   # where the search stops
+    assert Generator.from_engines(directory).self_draft.kept == best["layers"]
+    assert Generator.from_engines(directory, warm=False).self_draft.kept == [3]   # the export's, untuned

@@ -228,11 +228,15 @@ class DraftModelDrafter:
     def observe(self, run) -> None:
         pass
 
+    def _width(self, run) -> int:
+        """The tokens a proposal feeds first: the last 2 + s (see the class). A row that joined after the last
+        proposal may be shorter: it is fed from its start (one round of poor drafts for it, its cache right again
+        after); the width never exceeds the longest row."""
+        return min(2 + run.skipped - self.skip_mark, max(run.host_lengths.tolist()))
+
     def propose(self, run, gamma: int) -> Proposal:
         B, smax, dev = run.batch, run.max_len, run.device
-        # a row that joined after the last proposal may be shorter than w: it is fed from its start (one round of
-        # poor drafts for it, its cache right again after); w never exceeds the longest row
-        w = min(2 + run.skipped - self.skip_mark, max(run.host_lengths.tolist()))
+        w = self._width(run)
         self.cache = self.pool.prefix(B)
         if self.vocab_map is not None:   # each row's target tokens from its cache's end, then γ−1 single tokens
             first = [run.host_tokens[b, max(n - w, 0):n].tolist() for b, n in enumerate(run.host_lengths.tolist())]
@@ -362,6 +366,46 @@ class DraftModelDrafter:
             self.valid[(B, gamma)] = torch.ones(B, gamma, dtype=torch.bool, device="cpu")
         return Proposal(torch.from_numpy(drafts), torch.from_numpy(q) if sampled else None,
                         self.valid[(B, gamma)], host=(drafts, [gamma] * B))
+
+
+class SelfDrafter(DraftModelDrafter):
+    """The target over some of its layers (specrt.engines.base.LayerSkipEngine) drafting on the target's own cache
+    (LayerSkip's and SWIFT's sharing): its kept layers read the target's keys and values at the committed positions
+    and write theirs at the row's cache end and after, which the round's verify pass writes again before it reads
+    them (a row of n tokens: the target holds n − 1, the pending token and the γ − 1 drafts fed after it are the
+    verify pass's first γ); the skipped layers' entries pass through untouched. Nothing to prefill, restore, copy or
+    catch up, and no cache of its own. (Past a skipped layer the committed entries are the target's, not what the
+    skipping model would have written: they only shape the drafts.)"""
+
+    name = "self"
+
+    def _make_pool(self, run) -> None:
+        if self.pool is None or self._target is not run.pool:   # the target's buffers, its own lengths
+            self.pool, self._target = run.pool.alias(), run.pool
+        self.skip_mark = run.skipped
+
+    def propose(self, run, gamma: int) -> Proposal:
+        self._make_pool(run)
+        return super().propose(run, gamma)
+
+    def _width(self, run) -> int:
+        return 1   # the pending token, at the target's cache end
+
+    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor,
+                defer: bool = False) -> None:
+        pass
+
+    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int, defer: bool = False) -> None:
+        pass
+
+    def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
+        return {}
+
+    def join(self, run, row: int, copies: int) -> None:
+        pass
+
+    def move(self, src: int, dst: int, count: int) -> None:
+        pass
 
 
 class NgramDrafter(RowlessDrafter):

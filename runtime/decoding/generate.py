@@ -15,7 +15,7 @@ from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
 from specrt.engines.base import LayerSkipEngine, OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
-from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal
+from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, SelfDrafter
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
 from specrt.errors import InputError, ManifestError
 from specrt.engines.manifest import check_file, read_manifest
@@ -134,8 +134,9 @@ class Generator:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         target = engines.pop("target")()
-        if models.get("self", {}).get("engine", {}).get("layer_skip") == "target":
-            engines["self"] = functools.partial(LayerSkipEngine, target, models["self"])
+        if models.get("self", {}).get("engine", {}).get("layer_skip") == "target":   # the layers tune chose
+            kept = tuned.self_layers if tuned is not None and warm else None
+            engines["self"] = functools.partial(LayerSkipEngine, target, models["self"], kept or None)
         gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk,
                   prefix_cache_mb=prefix_cache_mb)
         if "vocab_map" in models.get("draft", {}):   # a draft of another vocabulary (decoding/vocab_map.py)
@@ -483,12 +484,13 @@ class Generator:
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
                                 figures=figures, sources=self.retrieval_sources)
-        # the draft model, or the target over some of its layers (self): the same drafter
+        # the draft model, or the target over some of its layers: on the target's cache where it runs in the
+        # target's session (LayerSkipEngine), else (an engine of its own: CUDA, TensorRT) as a draft model
         engine, vocab_map = (self.self_draft, None) if method == "self" else (self.draft, self.draft_map)
-        if (tree or tree_choices is not None) and not self.chains_only:
-            return DraftModelDrafter(engine, self._timed, self.tree_for(method, tree_choices, gamma), vocab_map,
-                                     part=method)
-        return DraftModelDrafter(engine, self._timed, vocab_map=vocab_map, part=method)
+        kind = SelfDrafter if isinstance(engine, LayerSkipEngine) else DraftModelDrafter
+        tree = self.tree_for(method, tree_choices, gamma) if (tree or tree_choices is not None) and \
+            not self.chains_only else None
+        return kind(engine, self._timed, tree, vocab_map, part=method)
 
     def tree_for(self, method: str, choices=None, depth: int | None = None) -> Tree:
         """The tree a tree method verifies: given choices, else the engine set's calibrated one, else a default."""

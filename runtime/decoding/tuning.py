@@ -4,7 +4,7 @@
 writes `tuning.json` beside the engines, recorded with its hash in the manifest like the trees: per temperature
 regime (greedy, sampled), without and with a grammar, the fastest method, and the figures a process would otherwise
 measure again or learn in its first requests: the target's pass times by batch size and width, the draft model's
-step, the EAGLE drafter's pass over a tree level, and what the tuning's last request of each method left its
+step, the EAGLE drafter's pass over a tree level, the self drafter's layers, and what the tuning's last request of each method left its
 adaptive policies (a chain's acceptance, a tree's tokens and seconds per round, EAGLE's calibration and prompt
 lookup's rates). A Generator starts from those as the next request of a warm process would. A tuning belongs to the
 engines and the machine it measured: for other engines (a rebuild changes their hashes), another CPU or device, or
@@ -47,6 +47,8 @@ class Tuning:
     trees: dict[str, dict[str, dict]] = field(default_factory=dict)    # regime -> tree method -> TreePolicy sums
     eagle: dict[str, dict] = field(default_factory=dict)               # regime -> eagle.Figures (to_json)
     acceptance: dict[str, dict[str, list]] = field(default_factory=dict)  # regime -> method -> per draft position
+    self_layers: list[int] = field(default_factory=list)   # the layers the self drafter keeps (tune's choice)
+    self_search: list[dict] = field(default_factory=list)  # the sets tune measured for it (measurement.tune)
     measured: str = ""                  # when (UTC, ISO 8601)
 
     def to_json(self) -> dict:

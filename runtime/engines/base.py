@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.errors import BackendError, DeviceError
+from specrt.errors import BackendError, DeviceError, InputError, ManifestError
 from specrt.engines.kv_cache import KVCache
 from specrt.engines.manifest import SKIP_INPUT, WRITTEN, logits_width
 
@@ -155,16 +155,14 @@ class OrtEngine:
         if spec.get("engine", {}).get("activations") == "int8" and self.device.type == "cpu":
             self.pad_single = not self._lone_rows_agree()
 
-    def _start(self, spec: dict, skip: bool = False) -> None:
-        """What a session's passes need besides the session. `skip`: run the graph's self drafter (a target
-        engine with a `skip_layers` input, see LayerSkipEngine); the cache's layers are then the kept ones."""
+    def _start(self, spec: dict) -> None:
+        """What a session's passes need besides the session."""
         self.layers = spec["layers"]
-        kept = spec["kept_layers"] if skip else range(spec["layers"])
-        self.graph_layers = list(kept)   # the graph's layer of each of the cache's
         inputs = {i.name for i in self.session.get_inputs()}
-        self.skipped = [i for i in range(sum(n.startswith("k_cache_") for n in inputs)) if i not in kept]
-        self._fixed = {SKIP_INPUT: torch.tensor(skip, device=self.device)} if SKIP_INPUT in inputs else {}
-        self._buffers: dict[str | tuple, torch.Tensor] = {}   # by name; the skipped layers' scratch by shape
+        # a target engine with a self drafter (specrt.export.self_spec.skip_graph): the target runs every layer
+        self._fixed = {SKIP_INPUT: torch.zeros(self.layers, dtype=torch.bool, device=self.device)} \
+            if SKIP_INPUT in inputs else {}
+        self._buffers: dict[str | tuple, torch.Tensor] = {}   # by name
         self._cache: KVCache | None = None
         self._shapes: dict[tuple[int, int, int], _Shape] = {}   # (B, S, num_logits) -> its binding
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
@@ -187,14 +185,6 @@ class OrtEngine:
         """Make `cache` the one passes read by default (each shape's binding binds its buffers at its next pass)."""
         self._cache = cache
 
-    def _scratch(self, shape: torch.Size) -> torch.Tensor:
-        """A buffer of `shape` that the skipped layers' outputs go to, kept for as long as the engine (bindings of
-        other shapes may still point at it)."""
-        key = ("scratch", tuple(shape))
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
-        return self._buffers[key]
-
     def _buffer(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A flat output buffer that only grows (no allocation in steady state)."""
         buf = self._buffers.get(name)
@@ -216,11 +206,7 @@ class OrtEngine:
         shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
         if shape.cache is None or shape.cache() is not cache:   # the cache's buffers, once per shape and cache
             buffers = cache.layer_buffers()
-            names = [f"{kv}_cache_{layer}" for layer in self.graph_layers for kv in "kv"]
-            if self.skipped:   # the self drafter's skipped layers: their caches pass through one scratch buffer
-                scratch = self._scratch(buffers[0].shape)
-                names += [f"{kv}_cache_{layer}" for layer in self.skipped for kv in "kv"]
-                buffers += [scratch] * (2 * len(self.skipped))
+            names = [f"{kv}_cache_{layer}" for layer in range(self.layers) for kv in "kv"]
             for name, buf in zip(names, buffers):
                 bind_tensor(shape.io, "input", name, buf, self.device)
                 if self.writes_cache:
@@ -299,10 +285,7 @@ class OrtEngine:
         bind_tensor(io, "output", "logits", logits, self.device)
         bind_tensor(io, "output", "hidden", hidden, self.device)
         for i in range(2 * self.layers):
-            bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{self.graph_layers[i // 2]}", new_kv[i], self.device)
-        if self.skipped:   # scratch: the skipped layers' new keys and values (specrt.export.self_spec)
-            for name in (f"{kv}_new_{layer}" for layer in self.skipped for kv in "kv"):
-                bind_tensor(io, "output", name, self._scratch(new_kv[0].shape), self.device)
+            bind_tensor(io, "output", f"{'kv'[i % 2]}_new_{i // 2}", new_kv[i], self.device)
         aux = None
         if "aux" in sizes:
             aux = self._buffer("aux", sizes["aux"]).narrow(0, 0, sizes["aux"]).view(B, S, -1)
@@ -333,13 +316,31 @@ class OrtEngine:
 
 class LayerSkipEngine(OrtEngine):
     """The self drafter (specrt.export.self_spec) on the target engine's own session: the same weights, in memory
-    once, the session's `skip_layers` input true. Its cache holds the kept layers only; its bindings are its own."""
+    once, the session's `skip_layers` input true for the layers it skips. Its passes read and write a cache of all
+    the target's layers (SelfDrafter gives it the target's own: the skipped layers' entries pass through untouched);
+    its bindings are its own. `kept`: the layers it runs (default the manifest's, `specrt tune`'s where tuned)."""
 
-    def __init__(self, target: OrtEngine, spec: dict):
-        self.ort, self.spec, self.device, self.dtype = target.ort, spec, target.device, target.dtype
+    def __init__(self, target: OrtEngine, spec: dict, kept: list[int] | None = None):
+        if SKIP_INPUT not in target._fixed or target._fixed[SKIP_INPUT].dim() != 1:
+            raise ManifestError("the target engine has no per-layer skip_layers input (built by an older specrt): "
+                                "run `specrt build` on the engine set again")
+        self.ort, self.device, self.dtype = target.ort, target.device, target.dtype
         self.session, self.weights = target.session, target.weights
-        self._start(spec, skip=True)
+        self.spec = {**spec, "layers": target.spec["layers"]}   # its caches are the target's shape
+        self._start(self.spec)
         self.pad_single = target.pad_single   # the same kernels as the target's passes
+        self.use_layers(kept or spec["kept_layers"])
+
+    def use_layers(self, kept: list[int]) -> None:
+        """Run the layers `kept` (sorted; the last layer among them), skip the others, from the next pass on."""
+        L = self.layers
+        if not kept or kept != sorted(set(kept)) or kept[-1] != L - 1 or kept[0] < 0 or len(kept) == L:
+            raise InputError(f"self layers {kept}: keep some of the layers 0-{L - 1}, sorted, the last among them, "
+                             "not all")
+        mask = self._fixed[SKIP_INPUT]
+        mask.fill_(True)
+        mask[kept] = False   # in place: the bindings read the same tensor
+        self.kept = list(kept)
 
 
 class OrtHeads:

@@ -89,6 +89,13 @@ class KVCache:
             views[n] = self._view(slice(0, n))
         return views[n]
 
+    def alias(self) -> "KVCache":
+        """A cache over this one's buffers with lengths of its own (a drafter writing past the rows' ends)."""
+        view = self._view(slice(None))
+        view.past_len = self.past_len.clone()
+        view._host_views()
+        return view
+
     def row(self, r: int) -> "KVCache":
         """Row r alone, sharing this cache's buffers (a request's prefill); the cache itself when it has one row."""
         return self if self.batch == 1 else self._view(slice(r, r + 1))

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from specrt.decoding import tuning
 from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
 from specrt.decoding.generate import MAX_GAMMA, METHODS, Generator
@@ -66,6 +68,7 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
         gen.costs(b, upto=64 if b == 1 else MAX_GAMMA + 1)
         if gen.has("eagle") or gen.has("mtp"):
             gen.eagle_costs(b, gen.eagle_shape())
+    kept, searched = _self_layers(gen, prompts, cfg.new_tokens, log) if gen.has("self") else ([], [])
     methods = [m for m in METHODS if m in ("autoregressive", "ngram") or gen.has(m)]
     speeds, acceptance = {}, {}
     regimes = [(r, grammar) for grammar in (True, False) for r in tuning.REGIMES]   # the policies keep the last
@@ -88,11 +91,98 @@ def tune(directory: str | Path, cfg: TuneConfig = TuneConfig(), log=print) -> tu
         log(f"{r}: tokens/s {line} -> {chosen[r]}")
     result = tuning.Tuning(machine=gen.machine, engines=tuning.engine_hashes(gen.manifest), methods=chosen, speeds=speeds,
                            acceptance=acceptance, measured=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                           **gen.measured())
+                           self_layers=kept, self_search=searched, **gen.measured())
     path = tuning.save(gen.directory, result)
     log(f"recorded {path} ({time.perf_counter() - began:.0f} s)")
     _busy_warning(log)
     return result
+
+
+SELF_GAMMA = 3        # the chain the self drafter's layer sets are measured with (the adaptive policy off)
+SELF_MIN_ALPHA = 0.1  # a set whose drafts are accepted less often ends the search (fewer layers draft worse)
+
+
+def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log) -> tuple[list[int], list[dict]]:
+    """The layers the self drafter keeps, chosen from what they measure on this machine (the engine's skip_layers
+    input takes any set): each layer but the last is ranked by the top-1 agreement of the target without it with
+    the target's greedy tokens over the calibration prompts (a pass over each, teacher-forced); then layers are
+    dropped in that order, the least missed first, and each set's acceptance (greedy decoding, chains of
+    SELF_GAMMA) and step time are measured, its speedup estimated against the target's measured passes
+    (`self_speedup`), until the estimate has not grown for three sets or the acceptance falls below
+    SELF_MIN_ALPHA. Returns the best set (the engine left on it) and each set's figures."""
+    engine, L = gen.self_draft, gen.self_draft.layers
+    if not hasattr(engine, "use_layers"):   # an engine of its own (CUDA, TensorRT): its layers are the export's
+        log(f"self layers: the export's ({', '.join(map(str, engine.spec['kept_layers']))}); this build's self "
+            "drafter is an engine of its own, which runs no other set")
+        return [], []
+    verify = gen.costs(1, draft=False).verify
+    seqs = [p + gen.generate(prompt_ids=p, max_new_tokens=new_tokens, method="autoregressive").token_ids[0]
+            for p in prompts]
+
+    def agreement(kept: list[int]) -> float:
+        engine.use_layers(kept)
+        hits = total = 0
+        for p, s in zip(prompts, seqs):
+            n = len(s) - len(p)   # the logits at the positions before each new token
+            top = engine.run_sequence(s[:-1], num_logits=n).logits[0].argmax(-1)
+            hits, total = hits + int((top == torch.tensor(s[len(p):], device=top.device)).sum()), total + n
+        return hits / total
+
+    began = time.perf_counter()
+    alone = {d: agreement([k for k in range(L) if k != d]) for d in range(L - 1)}
+    order = sorted(alone, key=lambda d: (-alone[d], d))
+    log(f"self layers: each dropped alone, agreement {min(alone.values()):.2f} to {max(alone.values()):.2f} "
+        f"({time.perf_counter() - began:.0f} s); dropping in the order {', '.join(map(str, order))}")
+    kept, steps, best = list(range(L)), [], 0
+    for drop in order:
+        kept = [k for k in kept if k != drop]
+        engine.use_layers(kept)
+        gen._self_costs.clear()   # the step measured for the last set
+        step = _step(gen, engine) * verify[1]
+        per_position = [0.0] * SELF_GAMMA
+        for ids in prompts:
+            out = gen.generate(prompt_ids=ids, max_new_tokens=new_tokens, method="self", gamma=SELF_GAMMA,
+                               adaptive=False)
+            rates = out.stats["acceptance_per_position"] + [0.0] * SELF_GAMMA
+            per_position = [a + r / len(prompts) for a, r in zip(per_position, rates)]
+        alpha = sum(per_position) / (1 + sum(per_position[:-1]))   # accepted drafts / drafts reached
+        speedup, gamma = self_speedup(alpha, step, verify)
+        steps.append({"layers": list(kept), "dropped": drop, "agreement_alone": round(alone[drop], 4),
+                      "alpha": round(alpha, 4), "step_s": step, "c": round(step / verify[1], 4),
+                      "estimated_speedup": round(speedup, 4), "gamma": gamma})
+        log(f"self layers: {len(kept)} of {L} (dropped {drop}): acceptance {alpha:.2f}, step {step * 1e3:.1f} ms "
+            f"(c {step / verify[1]:.2f}), estimated {speedup:.2f}x at γ {gamma}")
+        if speedup > steps[best]["estimated_speedup"]:
+            best = len(steps) - 1
+        if len(steps) - 1 - best >= 3 or alpha < SELF_MIN_ALPHA:
+            break
+    chosen = steps[best]["layers"]
+    engine.use_layers(chosen)
+    gen._self_costs.clear()
+    log(f"self layers: keeping {len(chosen)} of {L} ({steps[best]['estimated_speedup']:.2f}x estimated; "
+        f"{time.perf_counter() - began:.0f} s)")
+    return chosen, steps
+
+
+def _step(gen: Generator, engine, reps: int = 5) -> float:
+    """The self drafter's step over the target's one-token pass, each the best of `reps` timed in turn (a slow
+    spell of a shared machine falls on both: timed apart, 25 of 30 layers once came out at 0.47 of a pass and 26
+    at 0.69)."""
+    context = min(64, engine.spec["max_seq_len"] - 2)   # as Generator.costs times
+    step = target = float("inf")
+    for _ in range(reps):
+        step = min(step, engine.time_pass(context, 1, reps=1))
+        target = min(target, gen.target.time_pass(context, 1, reps=1))
+    return step / target
+
+
+def self_speedup(alpha: float, step: float, verify: dict[int, float], max_gamma: int = 8) -> tuple[float, int]:
+    """A chain's tokens per second against autoregressive decoding at acceptance `alpha`, drafting steps of `step`
+    seconds and the target's measured passes (`verify`: width -> seconds), at its best γ; and that γ."""
+    def tokens(g: int) -> float:
+        return g + 1 if alpha >= 1 else (1 - alpha ** (g + 1)) / (1 - alpha)
+    return max((tokens(g) * verify[1] / (g * step + verify[g + 1]), g)
+               for g in range(1, max_gamma + 1) if g + 1 in verify)
 
 
 def _busy_warning(log) -> None:
