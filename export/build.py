@@ -170,8 +170,10 @@ def build(directory: str | os.PathLike, backend: str = "auto", log=print, drafte
                 spec["engine"] = {**manifest["models"]["target"]["engine"], "layer_skip": "target",
                                   "own_weight_bytes": 0}
                 from specrt.export.onnx_files import remove
+                from specrt.export.self_spec import layer_ranges
                 remove(directory / "self.ort.onnx")   # an engine of its own, from an earlier build
-                log(f"built self: the target engine over its layers {spec['kept_layers']}, on its skip_layers input")
+                log(f"built self: the target's engine on its skip_layers input, layers "
+                    f"{layer_ranges(spec['kept_layers'])} (`specrt tune` measures other sets)")
                 continue
             spec["engine"] = _build_role(directory, role, spec, backend, drafter_weights, target_weights, fuse,
                                          manifest["models"].get("self", {}).get("kept_layers"))
@@ -202,8 +204,9 @@ def _check_memory(directory: Path, manifest: dict, kind: str, limit: float | Non
 def _build_role(directory: Path, role: str, spec: dict, backend: str, drafter_weights: str,
                 target_weights: str = "float32", fuse: bool = False, self_layers: list[int] | None = None) -> dict:
     """Build one model's engine in a scratch directory beside the set (every step writes a graph and its data file
-    there), then move the engine and its data file into place. `self_layers`: the self drafter's kept layers, run
-    by the target's ONNX Runtime engine on its `skip_layers` input (specrt.export.self_spec.skip_graph)."""
+    there), then move the engine and its data file into place. `self_layers`: the self drafter's kept layers (the
+    set has one): the target's ONNX Runtime engine gets the `skip_layers` input (specrt.export.self_spec.skip_graph)
+    that runs it, on any set of layers."""
     from specrt.export.onnx_files import data_path, float32_file, remove
     graph = check_file(directory, spec["graph"], f"{role} graph")
     suffix = ".plan" if backend == "tensorrt" and role != "medusa" else ".ort.onnx"

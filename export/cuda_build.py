@@ -35,12 +35,20 @@ def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, .
     """Write every model's CUDA engine files (partial names first), then set each model's engine entry."""
     staged: list[tuple[Path, Path]] = []
     try:
-        entries = {}
-        for role, spec in manifest["models"].items():
+        entries, target = {}, None
+        for role, spec in sorted(manifest["models"].items(), key=lambda kv: kv[0] == "self"):   # self last
             graph = check_file(directory, spec["graph"], f"{role} graph")
             role_dtype = "float32" if role == "medusa" else dtype   # the heads are small: kept float32
             role_widths = widths if role in WIDTH_ROLES else ()
-            entries[role] = _build_model(directory, role, spec, graph, role_dtype, role_widths, staged)
+            # the self drafter's tensors are the target's: written once, into the target's weights file
+            weights = target if role == "self" else _SharedWeights(directory, f"{role}.cuda.weights", staged)
+            entries[role] = _build_model(directory, role, spec, graph, role_dtype, role_widths, weights)
+            if role == "target":
+                target = weights
+            else:
+                weights.close()
+        if target is not None:
+            target.close()
             log(f"built {role} for CUDA ({role_dtype}"
                 + (f", static widths {','.join(map(str, role_widths))})" if role_widths else ")"))
         for partial, final in staged:
@@ -52,11 +60,12 @@ def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, .
             partial.unlink(missing_ok=True)
 
 
-def _build_model(directory: Path, role: str, spec: dict, graph: Path, dtype: str, widths, staged) -> dict:
+def _build_model(directory: Path, role: str, spec: dict, graph: Path, dtype: str, widths,
+                 weights: "_SharedWeights") -> dict:
     """The graphs are read without their weights, which stay in their data file: each variant is optimised by
-    ONNX Runtime from a file beside that data, so one variant's weights at a time are in memory."""
+    ONNX Runtime from a file beside that data, so one variant's weights at a time are in memory. Their tensors go to
+    `weights` (left open)."""
     from specrt.export.onnx_files import float32_file, load
-    weights = _SharedWeights(directory, f"{role}.cuda.weights", staged)
     with tempfile.TemporaryDirectory(prefix=f".{role}.cuda-", dir=directory) as scratch:
         source = float32_file(graph, Path(scratch) / "float32.onnx")   # the graph itself if exported in float32
         dynamic = load(source, weights=False)
@@ -64,7 +73,6 @@ def _build_model(directory: Path, role: str, spec: dict, graph: Path, dtype: str
         for w in widths:
             files[str(w)] = weights.save(_prepare(static_graph(dynamic, w, spec), dtype, source.parent),
                                          f"{role}.w{w}.cuda.onnx")
-    weights.close()
     return {"files": files, "dtype": dtype, "widths": [str(w) for w in widths]}
 
 

@@ -1,19 +1,19 @@
 """Self-speculation (LayerSkip, Draft & Verify, SWIFT): the target drafts with a subset of its own layers.
 
-The engine set's `self` model is the target's graph over the kept layers only: the same contract as a draft model
-(its own small cache, `layers` = the kept count), run by the draft model's drafter (`--method self`, chains and
-`--tree`); verification is the target's, so the output is the target's. Its weights are the target's own tensors:
-`share_weights` points every initializer of the self graph at the tensor with the same bytes in the target graph's
-data file (the same file, the same offset), so the self graph adds no weight bytes on disk. An ONNX Runtime build
-puts it inside the target's engine instead (`skip_graph`: the skipped layers in an `If` on a `skip_layers` input),
-run by the target's own session (specrt.engines.base.LayerSkipEngine): the weights, and ONNX Runtime's repacked
-copies of them, are in memory once (docs/notes/2026-12-self-speculation.md). TensorRT and CUDA builds still build
-`self.onnx` into an engine of its own.
+An ONNX Runtime build puts the self drafter inside the target's engine (`skip_graph`): each layer but the last in an
+ONNX `If` on its entry of a bool input `skip_layers` (one per layer), run by the target's own session
+(specrt.engines.base.LayerSkipEngine) on the target's own cache (specrt.decoding.drafters.SelfDrafter): the weights,
+ONNX Runtime's repacked copies of them and the keys and values are in memory once, and which layers a drafter keeps
+is chosen per pass: `specrt tune` measures sets of them (docs/notes/2026-12-self-speculation.md). The engine set's
+`self` model is also exported as a graph of its own, the target's over the kept layers (the draft model's contract,
+its own small cache), whose initializers point at the tensors with the same bytes in the target graph's data file
+(`share_weights`: no weight bytes of its own on disk); TensorRT and CUDA builds build it into an engine of its own,
+run as a draft model.
 
-Which layers: `--self-layers` at export: a list ("0-14,29"), "half" (the first half and the last layer), or "auto",
-a greedy layer-skip search on calibration prompts (`search`): drop the layer whose removal keeps the most top-1
-agreement with the full target, while the estimated speedup grows. The choice is in the manifest
-(`models.self.kept_layers`, and `search` with what was measured).
+Which layers at export: `--self-layers` a list ("0-14,29"), "half" (the first half and the last layer), or "auto"
+(`search_layers`: layers dropped in the order of the top-1 agreement each one's absence keeps, while the estimated
+speedup grows). The choice is in the manifest (`models.self.kept_layers`, and `search` with what was measured); a
+tuned engine set runs tune's (`Tuning.self_layers`).
 """
 from __future__ import annotations
 
@@ -128,13 +128,15 @@ def export_self(target: SpecModel, layers: str, source: str, directory: Path, eo
         kept, search = search_layers(target, prompts, log)
         best = max(search["steps"], key=lambda x: x["estimated_speedup"])["estimated_speedup"]
         if best < 1:
-            log(f"warning: the best layer choice is estimated at {best:.2f}× autoregressive decoding: this model's "
-                "layers are not redundant enough to draft without training (`specrt tune` measures it; `auto` "
-                "takes it only where it is measured faster)")
+            log(f"warning: the best layer choice is estimated at {best:.2f}× autoregressive decoding (from the "
+                "agreement of a drafter with a cache of its own; on the target's cache, as it runs, it drafts "
+                "better): `specrt tune` measures layer sets and keeps the best; `auto` runs self only where the "
+                "tuning measured it fastest")
     else:
         kept = parse_layers(layers, L)
     model = self_model(target, kept)
-    log(f"tracing the self drafter to ONNX: target layers {_ranges(kept)} ({len(kept)} of {L}), the target's weights")
+    log(f"tracing the self drafter to ONNX: target layers {layer_ranges(kept)} ({len(kept)} of {L}), the target's "
+        "weights")
     export_graph(model, directory / FILE, dtype)
     own = share_weights(directory / FILE, directory / "target.onnx")
     entry = model_entry(model, source, FILE, directory, eos, dtype)
@@ -144,7 +146,7 @@ def export_self(target: SpecModel, layers: str, source: str, directory: Path, eo
     return entry
 
 
-def _ranges(layers: list[int]) -> str:
+def layer_ranges(layers: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (what --self-layers reads)."""
     parts, start = [], layers[0]
     for a, b in zip(layers, [*layers[1:], None]):

@@ -159,3 +159,25 @@ def test_tune_chooses_the_layers_from_what_they_measure(tiny, tmp_path):
     assert any(stop) and not any(s["alpha"] < 0.1 for s in steps[:-1])   # where the search stops
     assert Generator.from_engines(directory).self_draft.kept == best["layers"]
     assert Generator.from_engines(directory, warm=False).self_draft.kept == [3]   # the export's, untuned
+
+
+def test_a_cuda_build_keeps_one_copy_of_the_weights(tiny, tmp_path):
+    """`--device cuda` (run here on the CPU provider): the self drafter stays an engine of its own (ONNX Runtime's
+    CUDA graph capture takes no `If`), its tensors written once, into the target's weights file, and its session
+    given the target's values."""
+    import shutil
+    from specrt.export.build import build
+    gen, model, source = tiny
+    directory = shutil.copytree(source, tmp_path / "cuda", ignore=shutil.ignore_patterns("*.ort.onnx*", "tuning*"))
+    build(directory, "onnxruntime", log=lambda *_: None, device="cuda", dtype="float32", widths=(1, 4))
+    entry = json.loads((directory / "manifest.json").read_text())["models"]["self"]["engine"]
+    graph = onnx.load(str(directory / entry["file"]), load_external_data=False)
+    places = {e.value for t in graph.graph.initializer for e in t.external_data if e.key == "location"}
+    assert places == {"target.cuda.weights"} and not (directory / "self.cuda.weights").exists()
+    cuda = Generator.from_engines(directory, device="cpu")
+    assert cuda.self_draft.weights is cuda.target.weights
+    prompt = [3, 7, 1, 4]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive").token_ids[0]
+    out = cuda.generate(prompt_ids=prompt, max_new_tokens=12, method="self", gamma=3, adaptive=False)
+    assert_same_or_tie(out.token_ids[0], ref, prompt, model)
+    assert out.stats["acceptance_rate"] > 0   # its drafts are the kept layers' (own cache), some accepted

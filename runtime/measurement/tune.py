@@ -106,10 +106,10 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
     """The layers the self drafter keeps, chosen from what they measure on this machine (the engine's skip_layers
     input takes any set): each layer but the last is ranked by the top-1 agreement of the target without it with
     the target's greedy tokens over the calibration prompts (a pass over each, teacher-forced); then layers are
-    dropped in that order, the least missed first, and each set's acceptance (greedy decoding, chains of
-    SELF_GAMMA) and step time are measured, its speedup estimated against the target's measured passes
-    (`self_speedup`), until the estimate has not grown for three sets or the acceptance falls below
-    SELF_MIN_ALPHA. Returns the best set (the engine left on it) and each set's figures."""
+    dropped in that order, the least missed first, and each set's acceptance is measured (greedy decoding, chains of
+    SELF_GAMMA), its step time read off a line through two measured ones and its speedup estimated against the
+    target's measured passes (`self_speedup`), until the estimate has not grown for three sets or the acceptance
+    falls below SELF_MIN_ALPHA. Returns the best set (the engine left on it) and each set's figures."""
     engine, L = gen.self_draft, gen.self_draft.layers
     if not hasattr(engine, "use_layers"):   # an engine of its own (CUDA, TensorRT): its layers are the export's
         log(f"self layers: the export's ({', '.join(map(str, engine.spec['kept_layers']))}); this build's self "
@@ -133,12 +133,21 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
     order = sorted(alone, key=lambda d: (-alone[d], d))
     log(f"self layers: each dropped alone, agreement {min(alone.values()):.2f} to {max(alone.values()):.2f} "
         f"({time.perf_counter() - began:.0f} s); dropping in the order {', '.join(map(str, order))}")
+    # a step's time depends on how many layers it runs (each the same work, besides the embedding and the head):
+    # measured at two counts, a line through them (timed per set, the figures scattered by ±20 % on a busy machine,
+    # and the noise chose the set)
+    far = max(1, L // 2)
+    c = {}
+    for k in dict.fromkeys((L - 1, far)):
+        engine.use_layers(sorted(set(range(L)) - set(order[:L - k])))
+        c[k] = _step(gen, engine, reps=7)
+    slope = (c[L - 1] - c[far]) / (L - 1 - far) if far < L - 1 else 0.0
+    log(f"self layers: a step over {L - 1} layers {c[L - 1]:.2f} of the target's pass, over {far} {c[far]:.2f}")
     kept, steps, best = list(range(L)), [], 0
     for drop in order:
         kept = [k for k in kept if k != drop]
         engine.use_layers(kept)
-        gen._self_costs.clear()   # the step measured for the last set
-        step = _step(gen, engine) * verify[1]
+        step = max(c[far] + slope * (len(kept) - far), 0.05) * verify[1]
         per_position = [0.0] * SELF_GAMMA
         for ids in prompts:
             out = gen.generate(prompt_ids=ids, max_new_tokens=new_tokens, method="self", gamma=SELF_GAMMA,
@@ -158,7 +167,7 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
             break
     chosen = steps[best]["layers"]
     engine.use_layers(chosen)
-    gen._self_costs.clear()
+    gen._self_costs.clear()   # a step timed for another set
     log(f"self layers: keeping {len(chosen)} of {L} ({steps[best]['estimated_speedup']:.2f}x estimated; "
         f"{time.perf_counter() - began:.0f} s)")
     return chosen, steps
