@@ -43,14 +43,15 @@ def build_cuda(directory: Path, manifest: dict, dtype: str, widths: tuple[int, .
             # the self drafter's tensors are the target's: written once, into the target's weights file
             weights = target if role == "self" else _SharedWeights(directory, f"{role}.cuda.weights", staged)
             entries[role] = _build_model(directory, role, spec, graph, role_dtype, role_widths, weights)
+            log(f"built {role} for CUDA ({role_dtype}"
+                + (f", static widths {','.join(map(str, role_widths))})" if role_widths else ")")
+                + (", its tensors in the target's weights file" if role == "self" else ""))
             if role == "target":
                 target = weights
-            else:
+            elif weights is not target:
                 weights.close()
         if target is not None:
             target.close()
-            log(f"built {role} for CUDA ({role_dtype}"
-                + (f", static widths {','.join(map(str, role_widths))})" if role_widths else ")"))
         for partial, final in staged:
             os.replace(partial, final)
         for role, entry in entries.items():

@@ -382,7 +382,6 @@ class SelfDrafter(DraftModelDrafter):
     def _make_pool(self, run) -> None:
         if self.pool is None or self._target is not run.pool:   # the target's buffers, its own lengths
             self.pool, self._target = run.pool.alias(), run.pool
-        self.skip_mark = run.skipped
 
     def propose(self, run, gamma: int) -> Proposal:
         self._make_pool(run)

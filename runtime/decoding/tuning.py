@@ -4,11 +4,11 @@
 writes `tuning.json` beside the engines, recorded with its hash in the manifest like the trees: per temperature
 regime (greedy, sampled), without and with a grammar, the fastest method, and the figures a process would otherwise
 measure again or learn in its first requests: the target's pass times by batch size and width, the draft model's
-step, the EAGLE drafter's pass over a tree level, the self drafter's layers, and what the tuning's last request of each method left its
-adaptive policies (a chain's acceptance, a tree's tokens and seconds per round, EAGLE's calibration and prompt
-lookup's rates). A Generator starts from those as the next request of a warm process would. A tuning belongs to the
-engines and the machine it measured: for other engines (a rebuild changes their hashes), another CPU or device, or
-another thread count it is ignored, and `auto` follows `rule`.
+step, the EAGLE drafter's pass over a tree level, the layers the self drafter keeps, and what the tuning's last
+request of each method left its adaptive policies (a chain's acceptance, a tree's tokens and seconds per round,
+EAGLE's calibration and prompt lookup's rates). A Generator starts from those as the next request of a warm
+process would. A tuning belongs to the engines and the machine it measured: for other engines (a rebuild changes
+their hashes), another CPU or device, or another thread count it is ignored, and `auto` follows `rule`.
 """
 from __future__ import annotations
 

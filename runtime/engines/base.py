@@ -158,9 +158,10 @@ class OrtEngine:
     def _start(self, spec: dict) -> None:
         """What a session's passes need besides the session."""
         self.layers = spec["layers"]
-        inputs = {i.name for i in self.session.get_inputs()}
+        inputs = {i.name: i.shape for i in self.session.get_inputs()}
         # a target engine with a self drafter (specrt.export.self_spec.skip_graph): the target runs every layer
-        self._fixed = {SKIP_INPUT: torch.zeros(self.layers, dtype=torch.bool, device=self.device)} \
+        # (an engine built before the input had an entry per layer takes one bool)
+        self._fixed = {SKIP_INPUT: torch.zeros(tuple(inputs[SKIP_INPUT]), dtype=torch.bool, device=self.device)} \
             if SKIP_INPUT in inputs else {}
         self._buffers: dict[str | tuple, torch.Tensor] = {}   # by name
         self._cache: KVCache | None = None
