@@ -98,6 +98,17 @@ def test_greedy_is_the_targets(tiny, tree, layers):
     assert "self" not in gen._buffers   # no cache of its own: the target's
 
 
+def test_greedy_is_the_targets_in_a_batch(tiny):
+    """Rows of other lengths in one batch: each drafts from its own end of the target's cache."""
+    gen, model, _ = tiny
+    prompts = [[5, 1, 9], [2, 8, 3, 3, 7, 1, 4], [11]]
+    out = gen.generate(prompt_ids=prompts, max_new_tokens=14, method="self", gamma=3, adaptive=False)
+    for prompt, got in zip(prompts, out.token_ids):
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="autoregressive").token_ids[0]
+        assert_same_or_tie(got, ref, prompt, model)
+    assert out.stats["acceptance_rate"] > 0.1
+
+
 def test_sampled_is_the_targets_distribution(tiny):
     gen, model, _ = tiny
     prompt = [3, 7, 1]
