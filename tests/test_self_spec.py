@@ -107,6 +107,19 @@ def test_greedy_is_the_targets_in_a_batch(tiny):
         ref = gen.generate(prompt_ids=prompt, max_new_tokens=14, method="autoregressive").token_ids[0]
         assert_same_or_tie(got, ref, prompt, model)
     assert out.stats["acceptance_rate"] > 0.1
+    # a server's batch: rows join after 2 and 4 rounds and leave at their own lengths (rows move), a tree each round
+    batch, outputs, rounds, new = gen.batch(3, method="self", adaptive=False, tree=True), {}, 0, [20, 14, 8]
+    batch.add(prompts[0], new[0], owner=0)
+    while batch.run.batch or len(outputs) < 3:
+        if rounds in (2, 4):
+            batch.add(prompts[rounds // 2], new[rounds // 2], owner=rounds // 2)
+        outputs.update((row.owner, tokens) for row, tokens in batch.retire())
+        batch.step()
+        rounds += 1
+    for i, prompt in enumerate(prompts):
+        ref = gen.generate(prompt_ids=prompt, max_new_tokens=new[i], method="autoregressive").token_ids[0]
+        assert_same_or_tie(outputs[i], ref, prompt, model)
+    assert max(batch.stats()["batch_rounds"]) == 3 and batch.stats()["acceptance_rate"] > 0.1
 
 
 def test_sampled_is_the_targets_distribution(tiny):
