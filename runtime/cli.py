@@ -77,9 +77,10 @@ def main():
 @click.option("--no-memory-check", is_flag=True,
               help="Export even where the estimate says the machine's available memory is too small.")
 @click.option("--self-layers", default=None,
-              help="Add the self drafter (--method self): the target over these of its layers, on its own weights: "
-                   "'auto' (a layer-skip search on calibration prompts), 'half' (the first half and the last) or "
-                   "indices and ranges such as '0-14,29'.")
+              help="Add the self drafter (--method self): the target over some of its layers, on its own weights "
+                   "and KV cache. Its default layers: 'auto' (a layer-skip search on calibration prompts), 'half' "
+                   "(the first half and the last) or indices and ranges such as '0-14,29'; `specrt tune` measures "
+                   "other sets and keeps the best.")
 def export(target, draft, medusa, eagle, eagle_layer_ids, out, max_seq_len, force, dtype, no_memory_check,
            no_acceptance_check, self_layers):
     """Trace the target (and draft) to ONNX graphs of the engine contract, with tokenizer and manifest. An MTP
@@ -419,8 +420,10 @@ def tune_tree(engines, method, max_nodes, width, device):
               "runs with other threads does not use the tuning.")
 def tune(engines, num_prompts, max_new_tokens, temperature, trees, device, threads):
     """Measure every method ENGINES can run on this machine (calibration prompts, greedy and sampled, alternating
-    per prompt, and again under a JSON schema of its own) and record the fastest per regime with ENGINES, with the pass times and the adaptive policies'
-    figures that let a new process start warm: `--method auto` (the default) uses them."""
+    per prompt, and again under a JSON schema of its own) and record the fastest per regime with ENGINES, with the
+    pass times and the adaptive policies' figures that let a new process start warm: `--method auto` (the default)
+    uses them. A set with a self drafter (export --self-layers) first gets the layers it keeps chosen: sets of them
+    measured for acceptance and step time on the target's engine."""
     from specrt.measurement.tune import TuneConfig, tune as run
     cfg = TuneConfig(prompts=num_prompts, new_tokens=max_new_tokens, temperature=temperature, trees=trees,
                      device=device, threads=threads)
