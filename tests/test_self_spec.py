@@ -181,7 +181,10 @@ def test_tune_chooses_the_layers_from_what_they_measure(tiny, tmp_path):
     assert result.self_layers == best["layers"] and len(best["layers"]) > 1
     stop = steps[-1]["alpha"] <= 0.1, len(steps) - steps.index(best) == 4, len(steps) == 3   # (alpha rounded)
     assert any(stop) and not any(s["alpha"] < 0.1 for s in steps[:-1])   # where the search stops
-    assert Generator.from_engines(directory).self_draft.kept == best["layers"]
+    warm = Generator.from_engines(directory)
+    assert warm.self_draft.kept == best["layers"]
+    # its step as timed beside the recorded passes: a warm process does not time it alone
+    assert result.self_step > 0 and warm.costs(draft="self").draft_step == result.self_step
     assert Generator.from_engines(directory, warm=False).self_draft.kept == [3]   # the export's, untuned
 
 

@@ -175,6 +175,8 @@ class Generator:
         self.tuning = tuned
         for b, verify in tuned.passes.items():
             self._batch_costs[b] = Costs(tuned.draft_step, dict(verify))
+            if tuned.self_step:   # timed beside the same passes (a step timed later, on a busier machine, was not)
+                self._self_costs[b] = Costs(tuned.self_step, self._batch_costs[b].verify)
         spec = self.manifest["models"].get("eagle")
         level = tuned.eagle_level
         if spec is not None and level:
@@ -197,13 +199,15 @@ class Generator:
         passes = {b: dict(c.verify) for b, c in self._batch_costs.items() if isinstance(b, int)
                   and b not in self._interpolated}
         draft = max((c.draft_step for b, c in self._batch_costs.items() if isinstance(b, int)), default=0.0)
+        self_step = max((c.draft_step for c in self._self_costs.values()), default=0.0)
         levels = {key[2]: {} for key in self._batch_costs if isinstance(key, tuple)}
         for key, c in self._batch_costs.items():
             if isinstance(key, tuple):
                 levels[key[2]][key[1]] = c.draft_step
         shape = self.eagle_shape(self.manifest["models"]["eagle"]) if "eagle" in self.manifest["models"] else None
         level = {"top_k": shape.top_k, "seconds": levels[shape]} if shape in levels else {}
-        out = {"passes": passes, "draft_step": draft, "eagle_level": level, "gamma": {}, "trees": {}, "eagle": {}}
+        out = {"passes": passes, "draft_step": draft, "self_step": self_step, "eagle_level": level, "gamma": {},
+               "trees": {}, "eagle": {}}
         for regime in tuning.REGIMES:
             greedy = regime == "greedy"
             out["gamma"][regime] = {m: p.alpha for (m, g), p in self._gamma_policies.items() if g == greedy}

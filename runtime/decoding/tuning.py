@@ -42,6 +42,7 @@ class Tuning:
     speeds: dict[str, dict[str, float]]  # the same keys -> method -> tokens/s measured
     passes: dict[int, dict[int, float]]  # batch size -> width -> seconds of a target pass
     draft_step: float = 0.0             # seconds of a draft-model step (0: none measured)
+    self_step: float = 0.0              # seconds of a self drafter's step, on self_layers (0: none measured)
     eagle_level: dict = field(default_factory=dict)   # {"top_k": k, "seconds": {batch: s}}: a level over 2k nodes
     gamma: dict[str, dict[str, float]] = field(default_factory=dict)   # regime -> chain method -> acceptance
     trees: dict[str, dict[str, dict]] = field(default_factory=dict)    # regime -> tree method -> TreePolicy sums

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specrt.decoding import tuning
+from specrt.decoding.adaptive import Costs
 from specrt.decoding.calibrate import CALIBRATION_PROMPTS, calibrate, save_tree
 from specrt.decoding.generate import MAX_GAMMA, METHODS, Generator
 from specrt.engines.manifest import read_manifest
@@ -167,9 +168,11 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
             break
     chosen = steps[best]["layers"]
     engine.use_layers(chosen)
-    gen._self_costs.clear()   # a step timed for another set
-    log(f"self layers: keeping {len(chosen)} of {L} ({steps[best]['estimated_speedup']:.2f}x estimated; "
-        f"{time.perf_counter() - began:.0f} s)")
+    # its step beside the passes the tuning records: the one a request would time alone, maybe on a busier machine
+    step = _step(gen, engine, reps=7) * verify[1]
+    gen._self_costs = {b: Costs(step, c.verify) for b, c in gen._batch_costs.items() if isinstance(b, int)}
+    log(f"self layers: keeping {len(chosen)} of {L} ({steps[best]['estimated_speedup']:.2f}x estimated, a step "
+        f"{step * 1e3:.1f} ms; {time.perf_counter() - began:.0f} s)")
     return chosen, steps
 
 
