@@ -59,10 +59,13 @@ def tiny_config(arch: str, vocab: int = 64, layers: int = 2, hidden: int = 32, h
                 init: float = 0.02):
     import transformers
     cls = getattr(transformers, config_class(arch))
+    extra = dict(ARCH_TESTS.get(arch, {}))
+    if "layer_types" in extra:   # repeated over more layers
+        extra["layer_types"] = [extra["layer_types"][i % len(extra["layer_types"])] for i in range(layers)]
     return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                initializer_range=init, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
-               pad_token_id=None, **ARCH_TESTS.get(arch, {}))
+               pad_token_id=None, **extra)
 
 
 def config_class(arch: str) -> str:

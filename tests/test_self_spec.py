@@ -41,7 +41,9 @@ def without_layers(model, kept):
     small.model.layers = torch.nn.ModuleList(small.model.layers[i] for i in kept)
     for j, layer in enumerate(small.model.layers):
         layer.self_attn.layer_idx = j
-    small.config.num_hidden_layers = len(kept)
+    per_layer = {"layer_types": [small.config.layer_types[i] for i in kept]} if \
+        getattr(small.config, "layer_types", None) else {}
+    small.config.__dict__.update(num_hidden_layers=len(kept), **per_layer)   # (set together: validated together)
     return small
 
 
@@ -66,6 +68,27 @@ def test_the_graph_is_the_target_without_the_skipped_layers(tiny, layers):
     assert not torch.allclose(ours, full, atol=1e-2)   # not the whole target
     target = gen.target.run_sequence(ids, num_logits=len(ids)).logits[0]   # the target's passes skip nothing
     assert torch.allclose(target, full, atol=1e-4), float((target - full).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
+def test_other_architectures_skip_their_layers(tmp_path, arch):
+    """Sandwich norms and sliding windows (Gemma 3), experts (Qwen3-MoE): the target's engine with the skip input
+    is the target, and the self drafter the target without its skipped layers."""
+    from specrt.export.build import build
+    from specrt.export.pipeline import export_engines
+    model = tiny_model(arch, seed=1, vocab=V, layers=4)
+    model.save_pretrained(tmp_path / "src")
+    export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=32, log=lambda *_: None,
+                   self_layers="0,2-3")
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None)
+    gen = Generator.from_engines(tmp_path / "engines")
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        full = model(torch.tensor([ids])).logits[0]
+        ref = without_layers(model, [0, 2, 3])(torch.tensor([ids]), use_cache=False).logits[0]
+    for engine, want in ((gen.target, full), (gen.self_draft, ref)):
+        got = engine.run_sequence(ids, num_logits=len(ids)).logits[0]
+        assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
 
 def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
