@@ -222,9 +222,10 @@ def skip_graph(model: onnx.ModelProto, num_layers: int) -> onnx.ModelProto:
     """The target graph with its self drafters inside it: each layer but the last in an ONNX `If` on its entry of
     the bool input SKIP_INPUT (num_layers,), so that the layers a drafter keeps are chosen per pass (`specrt tune`
     measures several sets on the one engine). All false: the target. Layer i skipped: the hidden state passes it
-    unchanged (the next layer's input norm is taken of the state that entered it), its cache is returned as given
-    (an output bound to its input's buffer: nothing copied) and its new keys and values are scratch (the cache's
-    first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): each layer is a
+    unchanged (the next layer's input norm is taken of the state that entered it), its cache is untouched and its
+    written cache output an empty tensor (LayerSkipEngine leaves that output to ONNX Runtime: an If copies what its
+    branch returns, and the cache itself, returned, was copied whole) and its new keys and values are scratch (the
+    cache's first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): each layer is a
     subgraph over the outer graph's initializers. Made for the graphs that `specrt build` writes (checked on its
     fused ones, the default): the residual stream between layers i and i+1 is the tensor `/layers.i/Add_1_output_0`,
     and the one entering layer a is the first input of the node that writes `/layers.a/Add_output_0`."""
@@ -232,10 +233,14 @@ def skip_graph(model: onnx.ModelProto, num_layers: int) -> onnx.ModelProto:
     g = model.graph
     producer = {o: n for n in g.node for o in n.output if o}
     outputs = {o.name: o for o in g.output}
+    # a fused graph takes layer a's input norm in the node that ends layer a − 1 (SkipSimplifiedLayerNormalization):
+    # its attention reads that output, not the stream, and belongs to the layer as much as its MLP
+    normed = {a + 1: n.output[0] for a in range(num_layers - 1)
+              if (n := producer[f"/layers.{a}/Add_1_output_0"]).op_type == "SkipSimplifiedLayerNormalization"}
     for a in range(num_layers - 1):
         enter = producer[f"/layers.{a}/Add_output_0"].input[0]              # the residual stream entering layer a
         boundary = producer[f"/layers.{a}/Add_1_output_0"]                  # writes the stream leaving it
-        inside = _between(g, enter, boundary)
+        inside = _between(g, {enter, normed.get(a, enter)}, boundary)
         moved = {id(n) for n in inside}   # (a NodeProto's == compares its contents)
         names = [o for n in inside for o in n.output if o]
         read_after = set().union(*(_reads(n) for n in g.node if id(n) not in moved))
@@ -249,8 +254,12 @@ def skip_graph(model: onnx.ModelProto, num_layers: int) -> onnx.ModelProto:
                 eps = next((x.f for x in boundary.attribute if x.name == "epsilon"), 1e-5)
                 then_nodes.append(helper.make_node("SimplifiedLayerNormalization", [enter, boundary.input[2]],
                                                    [out], epsilon=eps, axis=-1))
-            elif name.endswith("_written"):                                  # a cache, as given
-                then_nodes.append(helper.make_node("Identity", [name[:-len("_written")]], [out]))
+            elif name.endswith("_written"):   # a cache, untouched: an empty tensor (B, Hkv, 0, D) stands for it
+                cache = name[:-len("_written")]   # (the If copies a branch's outputs: the whole cache, 0.3 ms a
+                then_nodes += [                    # layer at 1,900 positions on SmolLM2)
+                    helper.make_node("Constant", [], [f"{out}/zero"], value_ints=[0]),
+                    helper.make_node("Constant", [], [f"{out}/axis"], value_ints=[2]),
+                    helper.make_node("Slice", [cache, f"{out}/zero", f"{out}/zero", f"{out}/axis"], [out])]
             elif name.startswith(("k_new_", "v_new_")):                      # (B, Hkv, S, D) of scratch
                 cache = f"{name[0]}_cache_{name.split('_')[-1]}"
                 then_nodes += [helper.make_node("Shape", ["input_ids"], [f"{out}/shape"], start=1, end=2),
@@ -292,10 +301,10 @@ def _reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-def _between(g: onnx.GraphProto, enter: str, boundary: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """The nodes that depend on the tensor `enter`, up to and including `boundary` (none that depend on what
+def _between(g: onnx.GraphProto, enter: set[str], boundary: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """The nodes that depend on the tensors `enter`, up to and including `boundary` (none that depend on what
     `boundary` writes), in graph order."""
-    reached, after, inside = {enter}, set(boundary.output), []
+    reached, after, inside = set(enter), set(boundary.output), []
     for n in g.node:
         reads = _reads(n)
         if reads & after:

@@ -164,6 +164,7 @@ class OrtEngine:
         self._fixed = {SKIP_INPUT: torch.zeros(tuple(inputs[SKIP_INPUT]), dtype=torch.bool, device=self.device)} \
             if SKIP_INPUT in inputs else {}
         self._buffers: dict[str | tuple, torch.Tensor] = {}   # by name
+        self.skipped: set[int] = set()   # layers a LayerSkipEngine skips
         self._cache: KVCache | None = None
         self._shapes: dict[tuple[int, int, int], _Shape] = {}   # (B, S, num_logits) -> its binding
         self._num: dict[int, torch.Tensor] = {}  # num_logits -> its one-element input
@@ -207,10 +208,12 @@ class OrtEngine:
         shape = self._shapes.get((B, S, num_logits)) or self._bind_shape(B, S, num_logits)
         if shape.cache is None or shape.cache() is not cache:   # the cache's buffers, once per shape and cache
             buffers = cache.layer_buffers()
-            names = [f"{kv}_cache_{layer}" for layer in range(self.layers) for kv in "kv"]
-            for name, buf in zip(names, buffers):
+            names = [(f"{kv}_cache_{layer}", layer) for layer in range(self.layers) for kv in "kv"]
+            for (name, layer), buf in zip(names, buffers):
                 bind_tensor(shape.io, "input", name, buf, self.device)
-                if self.writes_cache:
+                if self.writes_cache and layer in self.skipped:   # an empty tensor (self_spec.skip_graph)
+                    shape.io.bind_output(name + WRITTEN, self.device.type, self.device.index or 0)
+                elif self.writes_cache:
                     bind_tensor(shape.io, "output", name + WRITTEN, buf, self.device)
             shape.cache = weakref.ref(cache)
         num = self._num.get(num_logits)
@@ -341,7 +344,8 @@ class LayerSkipEngine(OrtEngine):
         mask = self._fixed[SKIP_INPUT]
         mask.fill_(True)
         mask[kept] = False   # in place: the bindings read the same tensor
-        self.kept = list(kept)
+        self.kept, self.skipped = list(kept), set(range(L)) - set(kept)
+        self._shapes.clear()   # bound again at their next pass: the skipped layers' written caches are not bound
 
 
 class OrtHeads:
