@@ -36,7 +36,7 @@ def resident_mb(directory: str, with_self: bool) -> float:
 
 def pass_times(directory: str, plain: str, reps: int, context: int = 256) -> dict:
     """Median and best milliseconds of a pass over 1 and 5 tokens: the plain target, the target of `directory`
-    (skip_layers false) and its self drafter (true), interleaved."""
+    (skip_layers all false) and its self drafter (its skipped layers true), interleaved."""
     from specrt.decoding.generate import Generator
     gens = {"plain target": Generator.from_engines(plain, warm=False),
             "target, skip input": Generator.from_engines(directory, warm=False)}
