@@ -82,9 +82,11 @@ def test_a_skipped_layer_is_wholly_inside_its_if(tiny):
         assert readers == [f"/layers.{i}/skip_if"], (i, readers)
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_moe"])
-def test_other_architectures_skip_their_layers(tmp_path, arch):
-    """Sandwich norms and sliding windows (Gemma 3), experts (Qwen3-MoE): the target's engine with the skip input
+@pytest.mark.parametrize("arch,fuse", [("gemma3_text", True), ("qwen3_moe", True), ("llama", False)],
+                         ids=["gemma3_text", "qwen3_moe", "llama-unfused"])
+def test_other_architectures_skip_their_layers(tmp_path, arch, fuse):
+    """Sandwich norms and sliding windows (Gemma 3), experts (Qwen3-MoE), an unfused build (`--no-fuse`: each
+    layer's input norm in its own nodes, the caches written by the runtime): the target's engine with the skip input
     is the target, and the self drafter the target without its skipped layers."""
     from specrt.export.build import build
     from specrt.export.pipeline import export_engines
@@ -92,7 +94,7 @@ def test_other_architectures_skip_their_layers(tmp_path, arch):
     model.save_pretrained(tmp_path / "src")
     export_engines(str(tmp_path / "src"), tmp_path / "engines", max_seq_len=32, log=lambda *_: None,
                    self_layers="0,2-3")
-    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None)
+    build(tmp_path / "engines", "onnxruntime", log=lambda *_: None, fuse=fuse)
     gen = Generator.from_engines(tmp_path / "engines")
     ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
@@ -101,6 +103,10 @@ def test_other_architectures_skip_their_layers(tmp_path, arch):
     for engine, want in ((gen.target, full), (gen.self_draft, ref)):
         got = engine.run_sequence(ids, num_logits=len(ids)).logits[0]
         assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+    prompt = ids[:4]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="self", gamma=3, adaptive=False).token_ids[0]
+    ref = gen.generate(prompt_ids=prompt, max_new_tokens=12, method="autoregressive").token_ids[0]
+    assert_same_or_tie(out, ref, prompt, model)
 
 
 def test_the_choice_is_recorded_and_the_weights_are_the_targets(tiny):
