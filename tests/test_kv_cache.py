@@ -98,3 +98,22 @@ def test_host_writes_match_write_then_compact(tiny_engines):
     assert torch.equal(host.data[:, 1, :, :32], device.data[:, 1, :, :32])
     host.write(new_kv.numpy(), [10, 10], [2, 0])         # counts: the first entries of each row
     assert torch.equal(host.data[:, 0, :, 10:12], new_kv[:, 0, :, :2])
+
+
+def test_an_alias_over_some_layers_writes_only_those():
+    """KVCache.alias(layers): a drafter over some of the target's layers (specrt.decoding.drafters.SelfDrafter) binds
+    and writes those layers of the target's cache, at lengths of its own; on the host path and the device one."""
+    from specrt.engines.kv_cache import KVCache
+    new = torch.arange(4 * 2 * 1 * 2 * 2, dtype=torch.float32).view(4, 2, 1, 2, 2) + 1   # (2K, B, Hkv, S, D)
+    for host in (True, False):
+        cache = KVCache(3, 2, 1, 8, 2)
+        view = cache.alias([0, 2])
+        if not host:
+            view.host_data = None   # the indexing a GPU's cache takes, here on the CPU
+        view.truncate([1, 3])
+        view.write(new)
+        assert cache.data[2:4].abs().sum() == 0 and cache.past_len.tolist() == [0, 0]   # layer 1, its lengths
+        kept = cache.data[[0, 1, 4, 5]]
+        assert torch.equal(kept[:, 0, :, 1:3], new[:, 0]) and torch.equal(kept[:, 1, :, 3:5], new[:, 1])
+        assert [b.data_ptr() for b in view.layer_buffers()] == [cache.data[i].data_ptr() for i in (0, 1, 4, 5)]
+        assert [b.data_ptr() for b in view.prefix(1).layer_buffers()] == [b.data_ptr() for b in view.layer_buffers()]

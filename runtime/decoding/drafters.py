@@ -369,8 +369,10 @@ class DraftModelDrafter:
 
 
 class SelfDrafter(DraftModelDrafter):
-    """The target over some of its layers (specrt.engines.base.LayerSkipEngine) drafting on the target's own cache
-    (LayerSkip's and SWIFT's sharing): its kept layers read the target's keys and values at the committed positions
+    """The target over some of its layers drafting on the target's own cache (LayerSkip's and SWIFT's sharing): in
+    the target's session (specrt.engines.base.LayerSkipEngine, every layer's cache bound, the skipped ones untouched)
+    or an engine of its own over the kept layers (CUDA, TensorRT: bound to those layers of the target's cache, a
+    KVCache.alias). Its kept layers read the target's keys and values at the committed positions
     and write theirs at the row's cache end and after, which the round's verify pass writes again before it reads
     them (a row of n tokens: the target holds n − 1, the pending token and the γ − 1 drafts fed after it are the
     verify pass's first γ); the skipped layers' entries pass through untouched. Nothing to prefill, restore, copy or
@@ -381,7 +383,8 @@ class SelfDrafter(DraftModelDrafter):
 
     def _make_pool(self, run) -> None:
         if self.pool is None or self._target is not run.pool:   # the target's buffers, its own lengths
-            self.pool, self._target = run.pool.alias(), run.pool
+            layers = None if hasattr(self.engine, "use_layers") else self.engine.spec["kept_layers"]
+            self.pool, self._target = run.pool.alias(layers), run.pool
 
     def propose(self, run, gamma: int) -> Proposal:
         self._make_pool(run)

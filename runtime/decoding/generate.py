@@ -491,10 +491,9 @@ class Generator:
             sizing = (lambda n: self.eagle_costs(min(n, MAX_MEASURED_BATCH), shape)) if adaptive else None
             return EagleDrafter(self.eagle, self._timed, shape, sizing, self.eagle_ids, chains=self.chains_only,
                                 figures=figures, sources=self.retrieval_sources)
-        # the draft model, or the target over some of its layers: on the target's cache where it runs in the
-        # target's session (LayerSkipEngine), else (an engine of its own: CUDA, TensorRT) as a draft model
-        engine, vocab_map = (self.self_draft, None) if method == "self" else (self.draft, self.draft_map)
-        kind = SelfDrafter if isinstance(engine, LayerSkipEngine) else DraftModelDrafter
+        # the draft model, or the target over some of its layers on the target's cache
+        kind, engine, vocab_map = (SelfDrafter, self.self_draft, None) if method == "self" else \
+            (DraftModelDrafter, self.draft, self.draft_map)
         tree = self.tree_for(method, tree_choices, gamma) if (tree or tree_choices is not None) and \
             not self.chains_only else None
         return kind(engine, self._timed, tree, vocab_map, part=method)

@@ -19,6 +19,7 @@ class KVCache:
         self.data = torch.zeros(2 * layers, batch, kv_heads, length, head_dim, device=device, dtype=dtype)
         self.past_len = torch.zeros(batch, dtype=torch.int64, device=device)
         self.length = length
+        self.index: list[int] | None = None   # the entries of `data` it reads and writes (alias): all
         self._host_views()
 
     def _host_views(self) -> None:
@@ -29,7 +30,8 @@ class KVCache:
         self.host_past = self.past_len.numpy() if cpu else None
 
     def layer_buffers(self) -> list[torch.Tensor]:
-        return list(self.data.unbind(0))  # each (B, Hkv, Smax, D), contiguous views
+        """Each layer's keys, then its values: (B, Hkv, Smax, D) contiguous views (of the aliased layers only)."""
+        return list(self.data.unbind(0)) if self.index is None else [self.data[i] for i in self.index]
 
     def write(self, new_kv: torch.Tensor | np.ndarray, start: torch.Tensor | list[int] | None = None,
               nodes: list | None = None) -> None:
@@ -37,6 +39,7 @@ class KVCache:
         `new_kv` may be a numpy view (StepOutput.host_kv), `start` a list, and `nodes` picks per row the entries
         to keep, written to consecutive slots: a count (the first ones) or a list of entries (a verify pass's
         accepted path; the rest would be scratch)."""
+        entries = slice(None) if self.index is None else self.index
         if self.host_data is not None:   # the CPU: a slice or a take per row, in plain Python (see the module doc)
             new = new_kv if isinstance(new_kv, np.ndarray) else new_kv.numpy()
             start = self.host_past.tolist() if start is None else start.tolist() if hasattr(start, "tolist") else start
@@ -44,10 +47,10 @@ class KVCache:
                 keep = new.shape[3] if nodes is None else nodes[b]
                 if isinstance(keep, int):
                     fit = max(0, min(keep, self.length - p))   # entries past the end are scratch: dropped
-                    self.host_data[:, b, :, p:p + fit] = new[:, b, :, :fit]
+                    self.host_data[entries, b, :, p:p + fit] = new[:, b, :, :fit]
                 else:
                     fit = max(0, min(len(keep), self.length - p))
-                    self.host_data[:, b, :, p:p + fit] = new[:, b].take(keep[:fit], 2)
+                    self.host_data[entries, b, :, p:p + fit] = new[:, b].take(keep[:fit], 2)
             return
         assert nodes is None, "nodes: the CPU's host path only"
         S = new_kv.shape[3]
@@ -55,7 +58,11 @@ class KVCache:
         slots = (start[:, None] + torch.arange(S, device=start.device)).clamp_(max=self.length - 1)  # (B, S)
         rows = torch.arange(new_kv.shape[1], device=start.device)[:, None]                                 # (B, 1)
         by_row = self.data.permute(1, 3, 0, 2, 4)                         # (B, Smax, 2L, Hkv, D), a view
-        by_row[rows, slots] = new_kv.permute(1, 3, 0, 2, 4)               # (B, S, 2L, Hkv, D)
+        if self.index is None:
+            by_row[rows, slots] = new_kv.permute(1, 3, 0, 2, 4)           # (B, S, 2L, Hkv, D)
+        else:   # (B, S, 2K, Hkv, D) into the aliased entries
+            index = torch.tensor(self.index, device=start.device)
+            by_row[rows[..., None], slots[..., None], index] = new_kv.permute(1, 3, 0, 2, 4)
 
     def compact(self, offsets) -> None:
         """Move each row's entries at `past_len[b] + offsets[b]` (B, n) to consecutive slots from `past_len[b]`
@@ -89,10 +96,13 @@ class KVCache:
             views[n] = self._view(slice(0, n))
         return views[n]
 
-    def alias(self) -> "KVCache":
-        """A cache over this one's buffers with lengths of its own (a drafter writing past the rows' ends)."""
+    def alias(self, layers: list[int] | None = None) -> "KVCache":
+        """A cache over this one's buffers with lengths of its own (a drafter writing past the rows' ends);
+        `layers`: over those of its layers only, in that order (a drafter that runs some of the target's layers:
+        its passes bind and write those; compact and copy_row still move every layer)."""
         view = self._view(slice(None))
         view.past_len = self.past_len.clone()
+        view.index = None if layers is None else [2 * i + kv for i in layers for kv in (0, 1)]
         view._host_views()
         return view
 
@@ -103,6 +113,7 @@ class KVCache:
     def _view(self, rows: slice) -> "KVCache":
         view = KVCache.__new__(KVCache)
         view.data, view.past_len, view.length = self.data[:, rows], self.past_len[rows], self.length
+        view.index = self.index
         view._host_views()
         return view
 
