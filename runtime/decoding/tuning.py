@@ -75,7 +75,9 @@ def rule(gen) -> str:
     """`auto` without a tuning: what was fastest on the machines measured so far (the README's "which method":
     2-core CPUs, MT-Bench prompts). EAGLE where the set has its drafter and the target verifies trees; prompt lookup
     on targets with int8 activations (int4/int8 weights), whose cheap passes the drafters' own passes do not pay
-    for; else the draft model; else prompt lookup, which needs no drafter."""
+    for; else the draft model (of the target's vocabulary or another's); else prompt lookup, which needs no drafter.
+    Never the self drafter: untrained, it ran level with autoregressive decoding at best (SmolLM2-135M, Gemma 3
+    270M: docs/notes/2026-12-self-speculation.md) where prompt lookup gained 3-69 %; a tuning measures it."""
     if gen.chains_only:
         return "ngram"
     if gen.has("eagle") or gen.has("mtp"):   # the feature drafter: trained for EAGLE, or the target's MTP module
