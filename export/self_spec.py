@@ -169,9 +169,8 @@ def _all_logits(model: SpecModel, tokens: torch.Tensor) -> torch.Tensor:
 
 def estimated_speedup(alpha: float, c: float, max_gamma: int = 8) -> tuple[float, int]:
     """The best chain's speedup E[N] / (1 + γc) over γ = 1..max_gamma (a verify pass taken as one step), and γ."""
-    if alpha >= 1.0:
-        return (max_gamma + 1) / (1 + max_gamma * c), max_gamma
-    return max(((1 - alpha ** (g + 1)) / (1 - alpha) / (1 + g * c), g) for g in range(1, max_gamma + 1))
+    from specrt.decoding.adaptive import expected_tokens
+    return max((expected_tokens(alpha, g) / (1 + g * c), g) for g in range(1, max_gamma + 1))
 
 
 def search_layers(target: SpecModel, prompts: list[list[int]], log=print) -> tuple[list[int], dict]:
@@ -225,8 +224,8 @@ def skip_graph(model: onnx.ModelProto, num_layers: int) -> onnx.ModelProto:
     unchanged (the next layer's input norm is taken of the state that entered it), its cache is untouched and its
     written cache output an empty tensor (LayerSkipEngine leaves that output to ONNX Runtime: an If copies what its
     branch returns, and the cache itself, returned, was copied whole) and its new keys and values are scratch (the
-    cache's first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): each layer is a
-    subgraph over the outer graph's initializers. Made for the graphs that `specrt build` writes (checked on its
+    cache's first S positions). One session, one copy of the weights (and of ONNX Runtime's repacked ones): each
+    layer is a subgraph over the outer graph's initializers. Made for the graphs that `specrt build` writes (checked on its
     fused ones, the default): the residual stream between layers i and i+1 is the tensor `/layers.i/Add_1_output_0`,
     and the one entering layer a is the first input of the node that writes `/layers.a/Add_output_0`."""
     from onnx import helper

@@ -368,7 +368,7 @@ class DraftModelDrafter:
                         self.valid[(B, gamma)], host=(drafts, [gamma] * B))
 
 
-class SelfDrafter(DraftModelDrafter):
+class SelfDrafter(RowlessDrafter, DraftModelDrafter):   # nothing kept per row: RowlessDrafter's calls
     """The target over some of its layers drafting on the target's own cache (LayerSkip's and SWIFT's sharing): in
     the target's session (specrt.engines.base.LayerSkipEngine, every layer's cache bound, the skipped ones untouched)
     or an engine of its own over the kept layers (CUDA, TensorRT: bound to those layers of the target's cache, a
@@ -392,22 +392,6 @@ class SelfDrafter(DraftModelDrafter):
 
     def _width(self, run) -> int:
         return 1   # the pending token, at the target's cache end
-
-    def prefill(self, run, row: int, prompt: torch.Tensor, start: int, hidden: torch.Tensor,
-                defer: bool = False) -> None:
-        pass
-
-    def restore(self, run, row: int, prompt: torch.Tensor, cache, hit, chunk: int, defer: bool = False) -> None:
-        pass
-
-    def cache_parts(self, row: int, m: int, finished: bool = False) -> dict:
-        return {}
-
-    def join(self, run, row: int, copies: int) -> None:
-        pass
-
-    def move(self, src: int, dst: int, count: int) -> None:
-        pass
 
 
 class NgramDrafter(RowlessDrafter):

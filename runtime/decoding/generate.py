@@ -13,7 +13,7 @@ import torch
 
 from specrt.decoding import grammar, processors, tuning, verification
 from specrt.decoding.adaptive import Costs, GammaPolicy, TreePolicy
-from specrt.engines.base import LayerSkipEngine, OrtEngine, OrtHeads, engine_set_device
+from specrt.engines.base import LayerSkipEngine, OrtHeads, engine_set_device
 from specrt.engines.registry import engine_class
 from specrt.decoding.drafters import DraftModelDrafter, MedusaDrafter, NgramDrafter, Proposal, SelfDrafter
 from specrt.decoding.eagle import DynamicTree, EagleDrafter, Figures, pass_inputs
@@ -138,8 +138,7 @@ class Generator:
             kept = tuned.self_layers if tuned is not None and warm else None
             engines["self"] = functools.partial(LayerSkipEngine, target, models["self"], kept or None)
         elif "self" in engines and getattr(target, "weights", None) is not None:   # a CUDA build's: its tensors
-            path = check_file(directory, models["self"]["engine"], "self engine")   # are in the target's file
-            engines["self"] = functools.partial(OrtEngine, path, models["self"], device, threads, target.weights)
+            engines["self"] = functools.partial(engines["self"], weights=target.weights)   # are in the target's file
         gen = cls(directory, manifest, target, None, tokenizer, loaders=engines, prefill_chunk=prefill_chunk,
                   prefix_cache_mb=prefix_cache_mb)
         if "vocab_map" in models.get("draft", {}):   # a draft of another vocabulary (decoding/vocab_map.py)

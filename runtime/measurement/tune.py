@@ -109,8 +109,8 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
     the target's greedy tokens over the calibration prompts (a pass over each, teacher-forced); then layers are
     dropped in that order, the least missed first, and each set's acceptance is measured (greedy decoding, chains of
     SELF_GAMMA), its step time read off a line through two measured ones and its speedup estimated against the
-    target's measured passes (`self_speedup`), until the estimate has not grown for three sets or the acceptance
-    falls below SELF_MIN_ALPHA. Returns the best set (the engine left on it) and each set's figures."""
+    target's measured passes (Costs.predicted_speedup at the best γ), until the estimate has not grown for three
+    sets or the acceptance falls below SELF_MIN_ALPHA. Returns the best set (the engine left on it) and each set's figures."""
     engine, L = gen.self_draft, gen.self_draft.layers
     if not hasattr(engine, "use_layers"):   # an engine of its own (CUDA, TensorRT): its layers are the export's
         log(f"self layers: the export's ({', '.join(map(str, engine.spec['kept_layers']))}); this build's self "
@@ -141,7 +141,7 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
     c = {}
     for k in dict.fromkeys((L - 1, far)):
         engine.use_layers(sorted(set(range(L)) - set(order[:L - k])))
-        c[k] = _step(gen, engine, reps=7)
+        c[k] = _step(gen, engine)
     slope = (c[L - 1] - c[far]) / (L - 1 - far) if far < L - 1 else 0.0
     log(f"self layers: a step over {L - 1} layers {c[L - 1]:.2f} of the target's pass, over {far} {c[far]:.2f}")
     kept, steps, best = list(range(L)), [], 0
@@ -156,7 +156,8 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
             rates = out.stats["acceptance_per_position"] + [0.0] * SELF_GAMMA
             per_position = [a + r / len(prompts) for a, r in zip(per_position, rates)]
         alpha = sum(per_position) / (1 + sum(per_position[:-1]))   # accepted drafts / drafts reached
-        speedup, gamma = self_speedup(alpha, step, verify)
+        costs = Costs(step, verify)
+        speedup, gamma = max((costs.predicted_speedup(alpha, g), g) for g in range(1, MAX_GAMMA + 1))
         steps.append({"layers": list(kept), "dropped": drop, "agreement_alone": round(alone[drop], 4),
                       "alpha": round(alpha, 4), "step_s": step, "c": round(step / verify[1], 4),
                       "estimated_speedup": round(speedup, 4), "gamma": gamma})
@@ -171,13 +172,13 @@ def _self_layers(gen: Generator, prompts: list[list[int]], new_tokens: int, log)
     # its step as the line gives it beside the passes the tuning records (a request would time it alone, maybe
     # on a busier machine; a last timing of its own here once read 1.33 of a pass where the line said 1.00)
     step = steps[best]["step_s"]
-    gen._self_costs = {b: Costs(step, c.verify) for b, c in gen._batch_costs.items() if isinstance(b, int)}
+    gen._self_costs = {b: Costs(step, cost.verify) for b, cost in gen._batch_costs.items() if isinstance(b, int)}
     log(f"self layers: keeping {len(chosen)} of {L} ({steps[best]['estimated_speedup']:.2f}x estimated, a step "
         f"{step * 1e3:.1f} ms; {time.perf_counter() - began:.0f} s)")
     return chosen, steps
 
 
-def _step(gen: Generator, engine, reps: int = 5) -> float:
+def _step(gen: Generator, engine, reps: int = 7) -> float:
     """The self drafter's step over the target's one-token pass, each the best of `reps` timed in turn (a slow
     spell of a shared machine falls on both: timed apart, 25 of 30 layers once came out at 0.47 of a pass and 26
     at 0.69)."""
@@ -187,15 +188,6 @@ def _step(gen: Generator, engine, reps: int = 5) -> float:
         step = min(step, engine.time_pass(context, 1, reps=1))
         target = min(target, gen.target.time_pass(context, 1, reps=1))
     return step / target
-
-
-def self_speedup(alpha: float, step: float, verify: dict[int, float], max_gamma: int = 8) -> tuple[float, int]:
-    """A chain's tokens per second against autoregressive decoding at acceptance `alpha`, drafting steps of `step`
-    seconds and the target's measured passes (`verify`: width -> seconds), at its best γ; and that γ."""
-    def tokens(g: int) -> float:
-        return g + 1 if alpha >= 1 else (1 - alpha ** (g + 1)) / (1 - alpha)
-    return max((tokens(g) * verify[1] / (g * step + verify[g + 1]), g)
-               for g in range(1, max_gamma + 1) if g + 1 in verify)
 
 
 def _busy_warning(log) -> None:
